@@ -1,0 +1,158 @@
+"""Construction-time validation: bad configuration fails here, never in jit."""
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+# Keras-TF2 defaults (tf.keras.mixed_precision.LossScaleOptimizer).
+DEFAULT_INITIAL_SCALE = 2.0**15
+DEFAULT_GROWTH_STEPS = 2000
+_INT32_MAX = int(np.iinfo(np.int32).max)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  """The validated, static configuration of a loss scaler."""
+
+  dynamic: bool
+  initial_scale: float
+  growth_steps: int
+  growth_factor: float
+  backoff_factor: float
+  min_scale: float
+  max_scale: float
+  hysteresis: int
+  axis_name: object
+
+
+def _is_real_number(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_float(name, value, *, accepted, ok) -> float:
+  """Returns `value` as a float if it is a real number and `ok(value)`."""
+  if not _is_real_number(value) and not (
+      isinstance(value, np.ndarray | np.generic) and value.shape == ()
+      and np.issubdtype(value.dtype, np.floating | np.integer)
+  ):
+    raise TypeError(
+        f"`{name}` must be a real number ({accepted}), got {value!r} of type"
+        f" {type(value).__name__}."
+    )
+  value = float(value)
+  if not math.isfinite(value) or not ok(value):
+    raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
+  return value
+
+
+def _check_int(name, value, *, minimum) -> int:
+  accepted = f"an int >= {minimum} and <= 2**31 - 1"
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f"`{name}` must be {accepted}, got {value!r} of type"
+        f" {type(value).__name__}."
+    )
+  value = int(value)
+  if not minimum <= value <= _INT32_MAX:
+    raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
+  return value
+
+
+def _representable_in_float32(value: float) -> bool:
+  as_f32 = float(np.float32(value))
+  return 0.0 < as_f32 <= FLOAT32_MAX
+
+
+def make_config(
+    dynamic,
+    initial_scale,
+    dynamic_growth_steps,
+    *,
+    growth_factor,
+    backoff_factor,
+    min_scale,
+    max_scale,
+    hysteresis,
+    axis_name,
+) -> LossScaleConfig:
+  """Validates the public arguments; every error names argument and value."""
+  # Keras-TF2's own checks come first, with the same exception types.
+  if not isinstance(dynamic, bool):
+    raise TypeError(
+        f"`dynamic` must be a bool (True or False), got {dynamic!r} of type"
+        f" {type(dynamic).__name__}."
+    )
+  if not dynamic and initial_scale is None:
+    raise ValueError(
+        "`initial_scale` must be given when `dynamic=False` (a static scale"
+        " needs a value), got None."
+    )
+  if not dynamic and dynamic_growth_steps is not None:
+    raise ValueError(
+        "`dynamic_growth_steps` must be None when `dynamic=False` (a static"
+        f" scale never grows), got {dynamic_growth_steps!r}."
+    )
+
+  positive = "finite and > 0, representable in float32"
+  if initial_scale is None:
+    initial_scale = DEFAULT_INITIAL_SCALE
+  initial_scale = _check_float(
+      "initial_scale", initial_scale, accepted=positive,
+      ok=_representable_in_float32,
+  )
+  growth_steps = _check_int(
+      "dynamic_growth_steps",
+      DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None
+      else dynamic_growth_steps,
+      minimum=1,
+  )
+  growth_factor = _check_float(
+      "growth_factor", growth_factor, accepted="finite and > 1",
+      ok=lambda x: x > 1.0,
+  )
+  backoff_factor = _check_float(
+      "backoff_factor", backoff_factor, accepted="in the open interval (0, 1)",
+      ok=lambda x: 0.0 < x < 1.0,
+  )
+  min_scale = _check_float(
+      "min_scale", min_scale, accepted=positive, ok=_representable_in_float32
+  )
+  if max_scale is None:
+    max_scale = FLOAT32_MAX
+  max_scale = _check_float(
+      "max_scale", max_scale, accepted=positive, ok=_representable_in_float32
+  )
+  if not min_scale <= initial_scale <= max_scale:
+    raise ValueError(
+        "`min_scale <= initial_scale <= max_scale` must hold, got"
+        f" min_scale={min_scale!r}, initial_scale={initial_scale!r},"
+        f" max_scale={max_scale!r}."
+    )
+  hysteresis = _check_int("hysteresis", hysteresis, minimum=1)
+  _check_axis_name(axis_name)
+  return LossScaleConfig(
+      dynamic=dynamic,
+      initial_scale=initial_scale,
+      growth_steps=growth_steps,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      min_scale=min_scale,
+      max_scale=max_scale,
+      hysteresis=hysteresis,
+      axis_name=axis_name,
+  )
+
+
+def _check_axis_name(axis_name) -> None:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if axis_name is None:
+    return
+  if not names or any(not isinstance(n, str | int) or isinstance(n, bool)
+                      for n in names):
+    raise TypeError(
+        "`axis_name` must be None, an axis name (a str), or a tuple of axis"
+        f" names, got {axis_name!r}."
+    )

@@ -1,0 +1,182 @@
+"""`loss_scale_optimizer`: unscale, check, skip the inner update, adjust."""
+
+import jax
+import optax
+
+from optax_lossscale import _config, _skip, _unscale
+from optax_lossscale._state import (
+    LossScaleOptimizerState,
+    LossScaleState,
+    init_loss_scale_state,
+)
+
+
+class LossScaledTransformation(optax.GradientTransformationExtraArgs):
+  """What :func:`loss_scale_optimizer` returns: an optax transformation that
+  also carries its validated configuration (``loss_scale_config``)."""
+
+  loss_scale_config: _config.LossScaleConfig
+
+
+def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
+  """Accepts what optax accepts: transformations, and `MultiSteps` objects."""
+  if isinstance(inner, LossScaledTransformation):
+    raise ValueError(
+        "`inner` is already loss-scaled (made by `loss_scale_optimizer`);"
+        " wrapping it again would scale and skip twice. Pass the plain optax"
+        " transformation instead."
+    )
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        "`inner` must be an optax transformation (an object with `init` and"
+        f" `update`, e.g. `optax.adam(1e-3)`), got {inner!r} of type"
+        f" {type(inner).__name__}."
+    )
+  if not isinstance(inner, optax.GradientTransformation):
+    inner = optax.GradientTransformation(inner.init, inner.update)
+  return optax.with_extra_args_support(inner)
+
+
+def _refuse_nested_loss_scaling(inner_state) -> None:
+  nested = [
+      leaf for leaf in jax.tree.leaves(
+          inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+      if isinstance(leaf, LossScaleState)
+  ]
+  if nested:
+    raise ValueError(
+        "`inner` already contains a loss scaler (`unscale_and_check` or"
+        " `loss_scale_optimizer`, perhaps inside `optax.chain`); a"
+        " loss-scaled optimizer must not wrap another. Keep one loss scaler,"
+        " outermost."
+    )
+
+
+def loss_scale_optimizer(
+    inner,
+    dynamic: bool = True,
+    initial_scale: float | None = None,
+    dynamic_growth_steps: int | None = None,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+    axis_name=None,
+) -> LossScaledTransformation:
+  r"""Wraps an optax transformation with dynamic loss scaling.
+
+  ``update`` receives the gradients of the *scaled* loss (see
+  :func:`scale_loss`). Per call, with ``s`` the scale and ``c`` the counter:
+
+  1. The gradients are divided by ``s`` as it was before this step.
+  2. ``finite``: every element of every unscaled leaf is finite (reduced
+     across ``axis_name`` when given, so that replicas decide together).
+  3. Finite: the inner update is applied. If ``c + 1 >= growth_steps``, ``s``
+     becomes ``s * growth_factor`` when that is finite and ``<= max_scale``
+     (else it stays) and ``c = 0``; otherwise ``c += 1``.
+  4. Not finite: the inner update is skipped (the updates are zeros in their
+     own dtypes and the inner state is kept bit for bit), ``c = 0``, and if
+     this is the ``hysteresis``-th non-finite step in a row (or later),
+     ``s = max(s * backoff_factor, min_scale)``.
+  5. Static (``dynamic=False``): ``s`` never changes, non-finite steps are
+     still skipped.
+
+  With the defaults this is Keras-TF2's ``LossScaleOptimizer`` step for step,
+  except that a skipped step does not advance the inner optimizer's count,
+  and static mode skips non-finite steps too.
+
+  Args:
+    inner: the optax transformation to wrap (``optax.MultiSteps`` objects
+      included). Put gradient clipping inside it, so that it sees unscaled,
+      finite gradients.
+    dynamic: whether the scale adapts (``True``) or stays fixed.
+    initial_scale: the starting scale; ``2**15`` when dynamic, required when
+      static.
+    dynamic_growth_steps: consecutive finite steps before the scale grows
+      (default 2000); must be ``None`` when static.
+    growth_factor: multiplier on growth, ``> 1``.
+    backoff_factor: multiplier on backoff, in ``(0, 1)``.
+    min_scale: the floor the scale never goes below (default 1).
+    max_scale: the ceiling growth never exceeds (default: float32 max).
+    hysteresis: non-finite steps in a row before the scale backs off
+      (Megatron/DeepSpeed style); every non-finite step is skipped
+      regardless.
+    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
+      which one boolean is reduced, so that every replica skips together.
+      Not needed under ``jit`` with shardings.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`LossScaleOptimizerState`.
+
+  Raises:
+    TypeError, ValueError: on bad configuration, naming the argument, the
+      value and what is accepted.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> params = {'w': jnp.array([1.0, 2.0])}
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.5))
+    >>> opt_state = tx.init(params)
+    >>> def loss_fn(params, opt_state):
+    ...   return ols.scale_loss(jnp.sum(params['w'] ** 2), opt_state)
+    >>> grads = jax.grad(loss_fn)(params, opt_state)  # scaled by 2**15
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> optax.apply_updates(params, updates)['w']
+    Array([0., 0.], dtype=float32)
+    >>> grads = {'w': jnp.array([jnp.inf, 1.0])}      # an overflow: skipped
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> updates['w'], ols.loss_scale(opt_state)
+    (Array([0., 0.], dtype=float32), Array(16384., dtype=float32))
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, 2018.
+  """
+  config = _config.make_config(
+      dynamic, initial_scale, dynamic_growth_steps,
+      growth_factor=growth_factor, backoff_factor=backoff_factor,
+      min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
+      axis_name=axis_name,
+  )
+  return _loss_scale_optimizer_from_config(_as_transformation(inner), config)
+
+
+def _loss_scale_optimizer_from_config(inner, config) -> LossScaledTransformation:
+  def init_fn(params):
+    inner_state = inner.init(params)
+    _refuse_nested_loss_scaling(inner_state)
+    return LossScaleOptimizerState(
+        loss_scale_state=init_loss_scale_state(config.initial_scale, config.dynamic),
+        inner_state=inner_state,
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
+        updates, state.loss_scale_state, config
+    )
+    # The inner update only ever sees finite values: on a skipped step it
+    # computes on zeros, and its results are discarded below.
+    inner_updates, inner_state = inner.update(
+        _unscale.zero_unless(finite, unscaled), state.inner_state, params,
+        **extra_args,
+    )
+    return (
+        _unscale.zero_unless(finite, inner_updates),
+        LossScaleOptimizerState(
+            loss_scale_state=loss_scale_state,
+            inner_state=_skip.keep_unless(
+                finite, inner_state, state.inner_state
+            ),
+        ),
+    )
+
+  tx = LossScaledTransformation(init_fn, update_fn)
+  tx.loss_scale_config = config
+  return tx

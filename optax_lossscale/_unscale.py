@@ -1,0 +1,137 @@
+"""`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale import _config, _finite, _rule
+from optax_lossscale._state import LossScaleState, init_loss_scale_state
+
+
+def unscale_and_check(
+    dynamic: bool = True,
+    initial_scale: float | None = None,
+    dynamic_growth_steps: int | None = None,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+    axis_name=None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Unscales gradients, checks that they are finite, and adjusts the scale.
+
+  Each ``update`` divides the incoming (scaled) gradients by the scale in
+  force *before* this step, decides whether every element of every leaf is
+  finite (reduced over ``axis_name`` when given), and moves the scale by the
+  rule of :func:`loss_scale_optimizer`. Its state is a
+  :class:`LossScaleState`.
+
+  What it guarantees: nothing non-finite leaves it. On a non-finite step the
+  returned updates are zeros (each in its own dtype), and the state records
+  the step (``last_finite=False``, the skip counters advance).
+
+  What it does not do: it does not freeze the transformations that follow it.
+  In ``optax.chain(unscale_and_check(), optax.adam(1e-3))`` a non-finite step
+  still feeds zeros to adam, whose moments decay and whose count advances. To
+  skip the inner update entirely, use :func:`loss_scale_optimizer`, which is
+  this transformation plus that skip.
+
+  Args:
+    dynamic: whether the scale adapts (``True``) or stays fixed.
+    initial_scale: the starting scale; ``2**15`` when dynamic, required when
+      static.
+    dynamic_growth_steps: consecutive finite steps before the scale grows
+      (default 2000); must be ``None`` when static.
+    growth_factor: multiplier on growth, ``> 1``.
+    backoff_factor: multiplier on backoff, in ``(0, 1)``.
+    min_scale: the floor the scale never goes below.
+    max_scale: the ceiling growth never exceeds (default: float32 max).
+    hysteresis: non-finite steps in a row before the scale backs off.
+    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
+      which the finite flag is reduced.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`.
+
+  Raises:
+    TypeError, ValueError: on bad configuration, naming the argument.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> tx = ols.unscale_and_check(initial_scale=8.0)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> updates, state = tx.update({'w': jnp.array([8.0, 16.0])}, state)
+    >>> updates['w']
+    Array([1., 2.], dtype=float32)
+    >>> updates, state = tx.update({'w': jnp.array([8.0, jnp.nan])}, state)
+    >>> updates['w'], ols.loss_scale(state)
+    (Array([0., 0.], dtype=float32), Array(4., dtype=float32))
+  """
+  config = _config.make_config(
+      dynamic, initial_scale, dynamic_growth_steps,
+      growth_factor=growth_factor, backoff_factor=backoff_factor,
+      min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
+      axis_name=axis_name,
+  )
+  return _unscale_and_check_from_config(config)
+
+
+def _unscale_and_check_from_config(config) -> optax.GradientTransformationExtraArgs:
+  def init_fn(params):
+    del params
+    return init_loss_scale_state(config.initial_scale, config.dynamic)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    unscaled, finite, new_state = unscale_check_adjust(updates, state, config)
+    return zero_unless(finite, unscaled), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def unscale_check_adjust(updates, state: LossScaleState, config):
+  """Returns (unscaled updates, finite flag, next loss-scale state)."""
+  check_scalar_state(state)
+  unscaled = unscale(updates, state.loss_scale)
+  finite = _finite.all_finite_across(
+      _finite.all_finite(unscaled), config.axis_name
+  )
+  return unscaled, finite, _rule.next_state(state, finite, config)
+
+
+def unscale(updates, loss_scale: jax.Array):
+  """Divides each leaf by the scale, at float32 or better, in its own dtype."""
+
+  def unscale_leaf(g):
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
+      return g  # integer (or float0) leaves carry no scaled gradient
+    # Divide rather than multiply by 1/scale: the reciprocal of a scale above
+    # 2**126 is subnormal and XLA flushes it to zero.
+    compute_dtype = jnp.promote_types(g.dtype, loss_scale.dtype)
+    return (g.astype(compute_dtype) / loss_scale.astype(compute_dtype)).astype(
+        g.dtype
+    )
+
+  return jax.tree.map(unscale_leaf, updates)
+
+
+def zero_unless(finite: jax.Array, updates):
+  """`updates` where `finite`, else zeros of the same dtypes."""
+  return jax.tree.map(
+      lambda u: jnp.where(finite, u, jnp.zeros_like(u, shape=())), updates
+  )
+
+
+def check_scalar_state(state: LossScaleState) -> None:
+  shape = jnp.shape(state.loss_scale)
+  if shape != ():
+    raise ValueError(
+        "The loss-scale state must hold a scalar scale, got shape"
+        f" {shape}. This happens when a state made under `jax.vmap` (an"
+        " ensemble of optimizer states) is used outside of it: call"
+        " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
+        " member of the ensemble."
+    )
