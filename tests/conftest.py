@@ -1,0 +1,12 @@
+"""Test set-up: 8 CPU devices, so that pmap, shard_map and sharded jit run
+here without accelerators. Must happen before JAX initialises its backend."""
+
+import os
+
+import jax
+
+# Both spellings: the config option (newer jax) and the XLA flag (older).
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8"
+)
+jax.config.update("jax_num_cpu_devices", 8)
