@@ -62,7 +62,8 @@ def _check_int(name, value, *, minimum) -> int:
 
 
 def _representable_in_float32(value: float) -> bool:
-  as_f32 = float(np.float32(value))
+  with np.errstate(over="ignore"):  # too large becomes inf, refused below
+    as_f32 = float(np.float32(value))
   return 0.0 < as_f32 <= FLOAT32_MAX
 
 

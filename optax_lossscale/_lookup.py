@@ -190,7 +190,8 @@ def set_loss_scale(opt_state, value):
   """
   find_loss_scale_state(opt_state)  # exactly one, scalar
   if not isinstance(value, jax.core.Tracer):
-    as_f32 = float(np.float32(np.asarray(value)))
+    with np.errstate(over="ignore", invalid="ignore"):
+      as_f32 = float(np.float32(np.asarray(value)))
     if not (math.isfinite(as_f32) and as_f32 > 0):
       raise ValueError(
           f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."

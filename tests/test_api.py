@@ -1,0 +1,175 @@
+"""The optax contract every transformation must keep, and the public API."""
+
+import inspect
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+PARAMS = {"w": jnp.ones((3, 2)), "h": jnp.ones(4, jnp.float16),
+          "b": jnp.ones(2, jnp.bfloat16)}
+
+
+def test_all_matches_the_exports():
+  public = {n for n in dir(ols) if not n.startswith("_")}
+  assert set(ols.__all__) == public
+  assert len(ols.__all__) <= 16  # "about a dozen"
+
+
+@pytest.mark.parametrize("name", ols.__all__)
+def test_every_public_name_has_a_runnable_example(name):
+  doc = inspect.getdoc(getattr(ols, name))
+  assert doc and doc.splitlines()[0].strip(), name
+  if inspect.isfunction(getattr(ols, name)):
+    assert "Examples:" in doc and ">>>" in doc, name
+
+
+def test_returns_an_extra_args_transformation():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  assert isinstance(ols.unscale_and_check(), optax.GradientTransformationExtraArgs)
+
+
+def test_state_dtypes_are_fixed():
+  state = ols.loss_scale_optimizer(optax.sgd(0.1)).init(PARAMS)
+  s = state.loss_scale_state
+  assert s.loss_scale.dtype == jnp.float32 and s.loss_scale.shape == ()
+  for counter in (s.counter, s.notfinite_count, s.total_notfinite):
+    assert counter.dtype == jnp.int32 and counter.shape == ()
+  assert s.last_finite.dtype == jnp.bool_
+
+
+def test_jitted_step_does_not_retrace():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, tx.init(PARAMS)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 3.0), PARAMS)
+  for i in range(4):  # finite, then skipped, then finite: one trace
+    g = grads if i != 2 else jax.tree.map(lambda x: x * jnp.inf, grads)
+    params, state = step(params, state, g)
+  assert int(ols.skip_stats(state).total_skipped) == 1
+
+
+def test_unknown_extra_args_are_ignored():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  state = tx.init(PARAMS)
+  tx.update(PARAMS, state, PARAMS, some_unknown_arg=1.0)
+
+
+F32_PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+
+
+def test_extra_args_reach_the_inner_transformation():
+  tx = ols.loss_scale_optimizer(optax.contrib.reduce_on_plateau(),
+                                initial_scale=2.0)
+  state = tx.init(F32_PARAMS)
+  _, state = tx.update(F32_PARAMS, state, F32_PARAMS, value=jnp.float32(1.0))
+  assert float(state.inner_state.best_value) == 1.0
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
+                        PARAMS)
+  abstract = jax.eval_shape(tx.init, shapes)
+  concrete = tx.init(PARAMS)
+  chex.assert_trees_all_equal_shapes_and_dtypes(abstract, concrete)
+
+
+def test_state_is_stable_under_lax_cond():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  state = tx.init(PARAMS)
+
+  def f(pred, state):
+    return jax.lax.cond(
+        pred, lambda s: tx.update(PARAMS, s, PARAMS)[1], lambda s: s, state)
+
+  out = jax.jit(f)(True, state)
+  chex.assert_trees_all_equal_shapes_and_dtypes(out, state)
+
+
+def test_updates_keep_their_dtype():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  updates, _ = tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+  chex.assert_trees_all_equal_dtypes(updates, PARAMS)
+
+
+def test_inside_inject_hyperparams_and_multisteps():
+  # (inject_hyperparams itself cannot mix float16 and bfloat16 params.)
+  tx = ols.loss_scale_optimizer(optax.inject_hyperparams(optax.adam)(1e-3))
+  state = tx.init(F32_PARAMS)
+  tx.update(F32_PARAMS, state, F32_PARAMS)
+  tx = ols.loss_scale_optimizer(optax.MultiSteps(optax.adam(1e-3), 2))
+  state = tx.init(PARAMS)
+  tx.update(PARAMS, state, PARAMS)
+
+
+def test_empty_subtrees_masked_nodes_and_none():
+  params = {"a": jnp.ones(2), "empty": {}, "none": None}
+  tx = ols.loss_scale_optimizer(
+      optax.masked(optax.adam(1e-3), {"a": True, "empty": {}, "none": None}))
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  assert updates["none"] is None and updates["empty"] == {}
+
+
+def test_inner_state_with_ints_and_bools():
+  # apply_if_finite's state holds int32 counters and a bool.
+  tx = ols.loss_scale_optimizer(optax.apply_if_finite(optax.sgd(0.1), 3))
+  state = tx.init(PARAMS)
+  _, new = jax.jit(tx.update)(PARAMS, state, PARAMS)
+  chex.assert_trees_all_equal_shapes_and_dtypes(new, state)
+
+
+def test_double_wrapping_is_refused():
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="already loss-scaled"):
+    ols.loss_scale_optimizer(tx)
+  nested = ols.loss_scale_optimizer(optax.chain(ols.unscale_and_check(),
+                                                optax.sgd(0.1)))
+  with pytest.raises(ValueError, match="must not wrap another"):
+    nested.init(PARAMS)
+
+
+def test_keras_own_errors():
+  with pytest.raises(TypeError, match="`dynamic` must be a bool"):
+    ols.loss_scale_optimizer(optax.sgd(0.1), dynamic="yes")
+  with pytest.raises(ValueError, match="`initial_scale` must be given"):
+    ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False)
+  with pytest.raises(ValueError, match="`dynamic_growth_steps` must be None"):
+    ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False, initial_scale=2,
+                             dynamic_growth_steps=10)
+  with pytest.raises(TypeError, match="`inner` must be an optax"):
+    ols.loss_scale_optimizer("adam")
+
+
+def test_scale_loss_errors():
+  with pytest.raises(ValueError, match="No loss-scale state"):
+    ols.scale_loss(1.0, optax.adam(1e-3).init(PARAMS))
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1))
+  two = (tx.init(PARAMS), tx.init(PARAMS))
+  with pytest.raises(ValueError, match="Found 2 loss-scale states"):
+    ols.scale_loss(1.0, two)
+
+
+def test_set_loss_scale():
+  state = ols.loss_scale_optimizer(optax.adam(1e-3)).init(PARAMS)
+  new = ols.set_loss_scale(state, 8)
+  assert ols.loss_scale(new) == 8.0 and ols.loss_scale(new).dtype == jnp.float32
+  chex.assert_trees_all_equal(new.inner_state, state.inner_state)
+  for bad in (0.0, -1.0, np.inf, np.nan, 1e39):
+    with pytest.raises(ValueError, match="`value` must be"):
+      ols.set_loss_scale(state, bad)
+  traced = jax.jit(ols.set_loss_scale)(state, 16.0)
+  assert ols.loss_scale(traced) == 16.0
