@@ -173,3 +173,13 @@ def test_set_loss_scale():
       ols.set_loss_scale(state, bad)
   traced = jax.jit(ols.set_loss_scale)(state, 16.0)
   assert ols.loss_scale(traced) == 16.0
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
+  root = __import__("pathlib").Path(__file__).resolve().parents[1]
+  readme = (root / "README.md").read_text()
+  first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+  commands = first_block.strip().splitlines()
+  assert len(commands) == 2
+  assert "notebooks/fp16_study.py" in commands[0]
+  assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
