@@ -133,5 +133,6 @@ def check_scalar_state(state: LossScaleState) -> None:
         f" {shape}. This happens when a state made under `jax.vmap` (an"
         " ensemble of optimizer states) is used outside of it: call"
         " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
-        " member of the ensemble."
+        " member of the ensemble. A state replicated for `jax.pmap` is the"
+        " same: read it inside `pmap`, or index one replica."
     )

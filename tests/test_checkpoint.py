@@ -1,0 +1,176 @@
+"""Checkpoints: orbax save/restore mid-run is bit-identical, flax
+serialization has named fields, and a plain-optax checkpoint migrates."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import serialization
+
+import optax_lossscale as ols
+
+N_STEPS = 12
+BAD = {4, 5, 6, 9}   # an overflow streak (4-6) and a lone overflow
+
+
+def _tx():
+  return ols.loss_scale_optimizer(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+      initial_scale=2.0**6, dynamic_growth_steps=2, hysteresis=2)
+
+
+def _params():
+  return {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros((), jnp.float32)}
+
+
+def _loss(params, x):
+  return jnp.sum((params["w"] * x + params["b"] - 1.0) ** 2)
+
+
+def _x(i):
+  x = jnp.array([1.0, 2.0, -1.0]) * (1.0 + 0.1 * i)
+  return x.at[1].set(jnp.inf) if i in BAD else x
+
+
+@pytest.fixture(scope="module")
+def step():
+  tx = _tx()
+
+  @jax.jit
+  def step(params, opt_state, x):
+    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def _run(step, params, opt_state, start, stop):
+  for i in range(start, stop):
+    params, opt_state = step(params, opt_state, _x(i))
+  return params, opt_state
+
+
+def _assert_bit_identical(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("save_at", [3, 5])   # 5: inside the overflow streak
+def test_orbax_resume_is_bit_identical(tmp_path, step, save_at):
+  tx = _tx()
+  params0 = _params()
+  full = _run(step, params0, tx.init(params0), 0, N_STEPS)
+
+  params, opt_state = _run(step, params0, tx.init(params0), 0, save_at)
+  if save_at == 5:
+    assert int(ols.skip_stats(opt_state).skipped_in_a_row) == 1
+    assert not bool(ols.skip_stats(opt_state).last_finite)
+  ckpt = {"params": params, "opt_state": opt_state}
+  path = tmp_path / f"ckpt_{save_at}"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, ckpt)
+    ckptr.wait_until_finished()
+  del params, opt_state, ckpt
+
+  # Restore into a fresh process-like target: the structure of a new init.
+  abstract = jax.tree.map(
+      ocp.utils.to_shape_dtype_struct,
+      {"params": params0, "opt_state": tx.init(params0)})
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, abstract)
+  assert isinstance(restored["opt_state"], ols.LossScaleOptimizerState)
+  resumed = _run(step, restored["params"], restored["opt_state"], save_at,
+                 N_STEPS)
+  _assert_bit_identical(resumed, full)
+  # The run really exercised the rule: backoffs, growth, skips.
+  assert int(ols.skip_stats(full[1]).total_skipped) == len(BAD)
+
+
+def test_pytree_checkpointer_roundtrip(tmp_path, step):
+  tx = _tx()
+  params, opt_state = _run(step, _params(), tx.init(_params()), 0, 5)
+  ckptr = ocp.PyTreeCheckpointer()
+  ckptr.save(tmp_path / "pt", {"opt_state": opt_state})
+  target = {"opt_state": tx.init(_params())}
+  restored = ckptr.restore(
+      tmp_path / "pt", item=target,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+  )["opt_state"]
+  _assert_bit_identical(restored, opt_state)
+  assert type(restored) is ols.LossScaleOptimizerState
+  assert float(ols.loss_scale(restored)) == float(ols.loss_scale(opt_state))
+
+
+def test_flax_state_dict_named_fields(step):
+  tx = _tx()
+  _, opt_state = _run(step, _params(), tx.init(_params()), 0, 6)
+  d = serialization.to_state_dict(opt_state)
+  assert set(d) == {"loss_scale_state", "inner_state"}
+  assert set(d["loss_scale_state"]) == {
+      "loss_scale", "counter", "notfinite_count", "total_notfinite",
+      "last_finite"}
+  assert float(d["loss_scale_state"]["loss_scale"]) == float(
+      ols.loss_scale(opt_state))
+  # And back, through msgpack bytes.
+  blob = serialization.to_bytes(opt_state)
+  back = serialization.from_bytes(tx.init(_params()), blob)
+  _assert_bit_identical(back, opt_state)
+
+
+def test_static_scale_state_checkpoints(tmp_path):
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False,
+                                initial_scale=128.0)
+  state = tx.init(_params())
+  assert ols.dynamic_counter(state) is None
+  back = serialization.from_bytes(tx.init(_params()),
+                                  serialization.to_bytes(state))
+  assert ols.dynamic_counter(back) is None
+  _assert_bit_identical(back, state)
+
+
+def test_migrate_plain_optax_checkpoint(tmp_path):
+  """A checkpoint of a plain optax state, taken before loss scaling was
+  added, restores into the loss-scaled optimizer with one line."""
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  params = _params()
+  plain_state = inner.init(params)
+  for i in range(3):
+    grads = jax.grad(_loss)(params, _x(i))
+    updates, plain_state = inner.update(grads, plain_state, params)
+    params = optax.apply_updates(params, updates)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "old", {"params": params, "opt_state": plain_state})
+    ckptr.wait_until_finished()
+
+  tx = ols.loss_scale_optimizer(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(tmp_path / "old", jax.tree.map(
+        ocp.utils.to_shape_dtype_struct,
+        {"params": _params(), "opt_state": inner.init(_params())}))
+  # The documented one-liner:
+  opt_state = tx.init(restored["params"])._replace(
+      inner_state=restored["opt_state"])
+  # ... and its spelled-out equivalent:
+  alt = ols.LossScaleOptimizerState(
+      loss_scale_state=tx.init(restored["params"]).loss_scale_state,
+      inner_state=restored["opt_state"])
+  _assert_bit_identical(alt, opt_state)
+  assert float(ols.loss_scale(opt_state)) == 2.0**15
+  assert int(ols.dynamic_counter(opt_state)) == 0
+
+  # Continuing matches continuing the plain run (power-of-two scale: exact).
+  grads = jax.grad(_loss)(restored["params"], _x(3))
+  ref_updates, ref_state = inner.update(grads, plain_state, params)
+  scaled = jax.grad(lambda p: ols.scale_loss(_loss(p, _x(3)), opt_state))(
+      restored["params"])
+  updates, opt_state = tx.update(scaled, opt_state, restored["params"])
+  chex.assert_trees_all_equal(updates, ref_updates)
+  chex.assert_trees_all_equal(opt_state.inner_state, ref_state)
+  assert int(ols.dynamic_counter(opt_state)) == 1
