@@ -92,9 +92,16 @@ def _legacy_arguments(loss_scale) -> dict[str, Any]:
     )
   name, inner_config = loss_scale["class_name"], loss_scale.get("config", {})
   if name == "FixedLossScale":
+    _check_legacy_keys(name, inner_config, {"loss_scale_value"},
+                       required={"loss_scale_value"})
     return {"dynamic": False,
             "initial_scale": inner_config["loss_scale_value"]}
   if name == "DynamicLossScale":
+    _check_legacy_keys(
+        name, inner_config,
+        {"initial_loss_scale", "increment_period", "multiplier"},
+        required=set(),
+    )
     multiplier = inner_config.get("multiplier", 2.0)
     if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) \
         or not (math.isfinite(multiplier) and multiplier > 1):
@@ -113,6 +120,22 @@ def _legacy_arguments(loss_scale) -> dict[str, Any]:
       "`config['loss_scale']['class_name']` must be 'FixedLossScale' or"
       f" 'DynamicLossScale', got {name!r}."
   )
+
+
+def _check_legacy_keys(name, inner_config, accepted, *, required) -> None:
+  """A misspelt key must not fall back to a default silently."""
+  if not isinstance(inner_config, dict):
+    raise ValueError(
+        f"The 'config' of a {name} must be a dict, got {inner_config!r}."
+    )
+  unknown = set(inner_config) - accepted
+  missing = required - set(inner_config)
+  if unknown or missing:
+    raise ValueError(
+        f"The 'config' of a {name} accepts the keys {sorted(accepted)}"
+        f" ({sorted(required)} required), got unknown {sorted(unknown)} and"
+        f" missing {sorted(missing)}."
+    )
 
 
 def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
