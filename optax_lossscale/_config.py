@@ -5,6 +5,7 @@ import math
 import numbers
 
 import numpy as np
+from jax import errors as jax_errors
 
 # Keras-TF2 defaults (tf.keras.mixed_precision.LossScaleOptimizer).
 DEFAULT_INITIAL_SCALE = 2.0**15
@@ -26,26 +27,36 @@ class LossScaleConfig:
   max_scale: float
   hysteresis: int
   axis_name: object
+  unscale: str = "auto"
 
 
-def _is_real_number(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _as_real_scalar(value):
+  """A Python, NumPy or concrete JAX real scalar as a float, else None."""
+  if isinstance(value, bool | np.bool_):
+    return None
+  if isinstance(value, numbers.Real):
+    return float(value)
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape == () and dtype is not None and (
+      np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+    try:
+      return float(value)
+    except (TypeError, jax_errors.ConcretizationTypeError):
+      return None  # a traced value: configuration must be concrete
+  return None
 
 
 def _check_float(name, value, *, accepted, ok) -> float:
   """Returns `value` as a float if it is a real number and `ok(value)`."""
-  if not _is_real_number(value) and not (
-      isinstance(value, np.ndarray | np.generic) and value.shape == ()
-      and np.issubdtype(value.dtype, np.floating | np.integer)
-  ):
+  as_float = _as_real_scalar(value)
+  if as_float is None:
     raise TypeError(
         f"`{name}` must be a real number ({accepted}), got {value!r} of type"
         f" {type(value).__name__}."
     )
-  value = float(value)
-  if not math.isfinite(value) or not ok(value):
+  if not math.isfinite(as_float) or not ok(as_float):
     raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
-  return value
+  return as_float
 
 
 def _check_int(name, value, *, minimum) -> int:
@@ -78,6 +89,7 @@ def make_config(
     max_scale,
     hysteresis,
     axis_name,
+    unscale="auto",
 ) -> LossScaleConfig:
   """Validates the public arguments; every error names argument and value."""
   # Keras-TF2's own checks come first, with the same exception types.
@@ -134,17 +146,24 @@ def make_config(
     )
   hysteresis = _check_int("hysteresis", hysteresis, minimum=1)
   _check_axis_name(axis_name)
+  # The rule computes in float32: keep the float32 values, so that bounds
+  # compare as they will be applied (0.1 is not a float32).
   return LossScaleConfig(
       dynamic=dynamic,
-      initial_scale=initial_scale,
+      initial_scale=_float32(initial_scale),
       growth_steps=growth_steps,
-      growth_factor=growth_factor,
-      backoff_factor=backoff_factor,
-      min_scale=min_scale,
-      max_scale=max_scale,
+      growth_factor=_float32(growth_factor),
+      backoff_factor=_float32(backoff_factor),
+      min_scale=_float32(min_scale),
+      max_scale=_float32(max_scale),
       hysteresis=hysteresis,
       axis_name=axis_name,
+      unscale=_check_unscale(unscale),
   )
+
+
+def _float32(value: float) -> float:
+  return float(np.float32(value))
 
 
 def _check_axis_name(axis_name) -> None:
@@ -157,3 +176,49 @@ def _check_axis_name(axis_name) -> None:
         "`axis_name` must be None, an axis name (a str), or a tuple of axis"
         f" names, got {axis_name!r}."
     )
+
+
+UNSCALE_CHOICES = ("auto", "divide")
+
+
+def _check_unscale(unscale) -> str:
+  accepted = " or ".join(repr(c) for c in UNSCALE_CHOICES)
+  if not isinstance(unscale, str):
+    raise TypeError(
+        f"`unscale` must be {accepted}, got {unscale!r} of type"
+        f" {type(unscale).__name__}."
+    )
+  if unscale not in UNSCALE_CHOICES:
+    raise ValueError(f"`unscale` must be {accepted}, got {unscale!r}.")
+  return unscale
+
+
+def _is_power_of_two(value: float) -> bool:
+  mantissa, _ = math.frexp(value)
+  return mantissa == 0.5
+
+
+# The smallest normal float32: a power-of-two scale at or above it has a
+# finite power-of-two reciprocal.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def unscales_by_reciprocal(config: LossScaleConfig) -> bool:
+  """Whether `unscale="auto"` may multiply by the reciprocal: exactly when
+  every scale the configuration can reach is a power of two."""
+  return config.unscale == "auto" and _scale_stays_power_of_two(config)
+
+
+def _scale_stays_power_of_two(config: LossScaleConfig) -> bool:
+  """Whether every scale this configuration can reach is a power of two.
+
+  Then dividing by the scale and multiplying by its reciprocal give the same
+  bits. Growth multiplies by `growth_factor` (or keeps the scale), backoff
+  multiplies by `backoff_factor` and clips to `min_scale`: powers of two all
+  round, a power-of-two scale stays one. `max_scale` never clips (growth past
+  it keeps the old scale), so it does not matter.
+  """
+  values = [config.initial_scale]
+  if config.dynamic:
+    values += [config.growth_factor, config.backoff_factor, config.min_scale]
+  return all(_is_power_of_two(v) for v in values) and min(values) >= _FLOAT32_TINY

@@ -67,13 +67,16 @@ def loss_scale_optimizer(
     max_scale: float | None = None,
     hysteresis: int = 1,
     axis_name=None,
+    unscale: str = "auto",
 ) -> LossScaledTransformation:
   r"""Wraps an optax transformation with dynamic loss scaling.
 
   ``update`` receives the gradients of the *scaled* loss (see
   :func:`scale_loss`). Per call, with ``s`` the scale and ``c`` the counter:
 
-  1. The gradients are divided by ``s`` as it was before this step.
+  1. The gradients are divided by ``s`` as it was before this step, in the
+     wider of each gradient's and its parameter's dtype (float32 master
+     params get float32 unscaled gradients even from float16 ones).
   2. ``finite``: every element of every unscaled leaf is finite (reduced
      across ``axis_name`` when given, so that replicas decide together).
   3. Finite: the inner update is applied. If ``c + 1 >= growth_steps``, ``s``
@@ -109,6 +112,15 @@ def loss_scale_optimizer(
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which one boolean is reduced, so that every replica skips together.
       Not needed under ``jit`` with shardings.
+    unscale: how step 1 divides by ``s``. ``"auto"`` (the default)
+      multiplies by the reciprocal when every scale the configuration can
+      reach is a power of two (``initial_scale``, ``growth_factor``,
+      ``backoff_factor`` and ``min_scale`` powers of two, as the defaults
+      are): that is the same arithmetic as dividing, and on CPU much faster,
+      since XLA materializes a quotient but fuses a product. Otherwise it
+      divides. ``"divide"`` always divides. Under ``"auto"``, a scale set by
+      hand with :func:`set_loss_scale` should be a power of two as well:
+      another value is applied through its rounded reciprocal.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -143,7 +155,7 @@ def loss_scale_optimizer(
       dynamic, initial_scale, dynamic_growth_steps,
       growth_factor=growth_factor, backoff_factor=backoff_factor,
       min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-      axis_name=axis_name,
+      axis_name=axis_name, unscale=unscale,
   )
   return _loss_scale_optimizer_from_config(_as_transformation(inner), config)
 
@@ -153,30 +165,40 @@ def _loss_scale_optimizer_from_config(inner, config) -> LossScaledTransformation
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-        loss_scale_state=init_loss_scale_state(config.initial_scale, config.dynamic),
+        loss_scale_state=init_loss_scale_state(config.initial_scale,
+                                               config.dynamic),
         inner_state=inner_state,
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _check_state_type(state)
     unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
-        updates, state.loss_scale_state, config
+        updates, state.loss_scale_state, config, params
     )
     # The inner update only ever sees finite values: on a skipped step it
-    # computes on zeros, and its results are discarded below.
-    inner_updates, inner_state = inner.update(
-        _unscale.zero_unless(finite, unscaled), state.inner_state, params,
-        **extra_args,
+    # computes on zeros, and its results are discarded (zero updates, the old
+    # inner state bit for bit; see `_skip.update_unless`).
+    safe = _skip.zero_unless(finite, unscaled)
+    inner_updates, inner_state = _skip.update_unless(
+        finite,
+        lambda inner_state: inner.update(safe, inner_state, params,
+                                         **extra_args),
+        state.inner_state,
     )
-    return (
-        _unscale.zero_unless(finite, inner_updates),
-        LossScaleOptimizerState(
-            loss_scale_state=loss_scale_state,
-            inner_state=_skip.keep_unless(
-                finite, inner_state, state.inner_state
-            ),
-        ),
+    return inner_updates, LossScaleOptimizerState(
+        loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
   tx = LossScaledTransformation(init_fn, update_fn)
   tx.loss_scale_config = config
   return tx
+
+
+def _check_state_type(state) -> None:
+  if not isinstance(state, LossScaleOptimizerState):
+    raise TypeError(
+        "`state` must be the LossScaleOptimizerState that this optimizer's"
+        f" `init` returned, got {type(state).__name__}. A state of another"
+        " optimizer (a plain optax state, say) cannot be updated here; see"
+        " the README for restoring a plain optax checkpoint."
+    )

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _config, _finite, _rule
+from optax_lossscale import _config, _finite, _rule, _skip
 from optax_lossscale._state import LossScaleState, init_loss_scale_state
 
 
@@ -19,11 +19,13 @@ def unscale_and_check(
     max_scale: float | None = None,
     hysteresis: int = 1,
     axis_name=None,
+    unscale: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Unscales gradients, checks that they are finite, and adjusts the scale.
 
   Each ``update`` divides the incoming (scaled) gradients by the scale in
-  force *before* this step, decides whether every element of every leaf is
+  force *before* this step (in the wider of each gradient's and its
+  parameter's dtype when ``params`` are given), decides whether every element of every leaf is
   finite (reduced over ``axis_name`` when given), and moves the scale by the
   rule of :func:`loss_scale_optimizer`. Its state is a
   :class:`LossScaleState`.
@@ -51,6 +53,7 @@ def unscale_and_check(
     hysteresis: non-finite steps in a row before the scale backs off.
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which the finite flag is reduced.
+    unscale: ``"auto"`` or ``"divide"``, as in :func:`loss_scale_optimizer`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -74,7 +77,7 @@ def unscale_and_check(
       dynamic, initial_scale, dynamic_growth_steps,
       growth_factor=growth_factor, backoff_factor=backoff_factor,
       min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-      axis_name=axis_name,
+      axis_name=axis_name, unscale=unscale,
   )
   return _unscale_and_check_from_config(config)
 
@@ -85,44 +88,76 @@ def _unscale_and_check_from_config(config) -> optax.GradientTransformationExtraA
     return init_loss_scale_state(config.initial_scale, config.dynamic)
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    unscaled, finite, new_state = unscale_check_adjust(updates, state, config)
-    return zero_unless(finite, unscaled), new_state
+    del extra_args
+    unscaled, finite, new_state = unscale_check_adjust(
+        updates, state, config, params)
+    return _skip.zero_unless(finite, unscaled), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def unscale_check_adjust(updates, state: LossScaleState, config):
+def unscale_check_adjust(updates, state: LossScaleState, config, params=None):
   """Returns (unscaled updates, finite flag, next loss-scale state)."""
   check_scalar_state(state)
-  unscaled = unscale(updates, state.loss_scale)
+  unscaled = unscale(
+      updates, state.loss_scale, params,
+      by_reciprocal=_config.unscales_by_reciprocal(config),
+  )
   finite = _finite.all_finite_across(
       _finite.all_finite(unscaled), config.axis_name
   )
   return unscaled, finite, _rule.next_state(state, finite, config)
 
 
-def unscale(updates, loss_scale: jax.Array):
-  """Divides each leaf by the scale, at float32 or better, in its own dtype."""
+def unscale(updates, loss_scale: jax.Array, params=None, *,
+            by_reciprocal: bool = False):
+  """Each leaf over the scale, in the wider of its own and its param's dtype.
 
-  def unscale_leaf(g):
-    if not jnp.issubdtype(g.dtype, jnp.inexact):
-      return g  # integer (or float0) leaves carry no scaled gradient
-    # Divide rather than multiply by 1/scale: the reciprocal of a scale above
-    # 2**126 is subnormal and XLA flushes it to zero.
-    compute_dtype = jnp.promote_types(g.dtype, loss_scale.dtype)
-    return (g.astype(compute_dtype) / loss_scale.astype(compute_dtype)).astype(
-        g.dtype
+  Unscaling a float16 gradient back into float16 would flush to zero exactly
+  the small values the scale protected, so with float32 master params the
+  unscaled gradient is float32. Without params, each leaf keeps its dtype.
+  """
+  if params is None:
+    return jax.tree.map(
+        lambda g: _unscale_leaf(g, g.dtype, loss_scale, by_reciprocal),
+        updates)
+  check_same_structure(updates, params)
+  return jax.tree.map(
+      lambda g, p: None if g is None else _unscale_leaf(
+          g, jnp.promote_types(g.dtype, jnp.result_type(p)), loss_scale,
+          by_reciprocal),
+      updates, params, is_leaf=lambda x: x is None)
+
+
+def check_same_structure(updates, params) -> None:
+  """A gradient tree that does not match the parameters fails at trace time,
+  whatever the inner transformation does with `params`."""
+  def structure(tree):
+    return jax.tree.structure(tree, is_leaf=lambda x: x is None)
+
+  if structure(updates) != structure(params):
+    raise ValueError(
+        "The gradient tree must have the structure of `params`, got"
+        f" gradients {structure(updates)} and params {structure(params)}."
     )
 
-  return jax.tree.map(unscale_leaf, updates)
 
-
-def zero_unless(finite: jax.Array, updates):
-  """`updates` where `finite`, else zeros of the same dtypes."""
-  return jax.tree.map(
-      lambda u: jnp.where(finite, u, jnp.zeros_like(u, shape=())), updates
-  )
+def _unscale_leaf(g, out_dtype, loss_scale, by_reciprocal):
+  if not jnp.issubdtype(g.dtype, jnp.inexact):
+    return g  # integer (or float0) leaves carry no scaled gradient
+  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
+  g, s = g.astype(compute_dtype), loss_scale.astype(compute_dtype)
+  # Both reciprocals and XLA's division (a reciprocal, then a product, on
+  # CPU) flush 1 / s to zero when s > 2**126: halve both sides first. `g / 2`
+  # only rounds where g is subnormal, and then the quotient underflows anyway.
+  half = jnp.where(s > 2.0**126, 0.5, 1.0).astype(compute_dtype)
+  g, s = g * half, s * half
+  if by_reciprocal:
+    # For a power-of-two scale, multiplying by its reciprocal is the same
+    # arithmetic as dividing (an exponent shift, rounded once), and XLA fuses
+    # a product into every consumer where it materializes a quotient.
+    return (g * (1 / s)).astype(out_dtype)
+  return (g / s).astype(out_dtype)
 
 
 def check_scalar_state(state: LossScaleState) -> None:

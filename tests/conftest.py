@@ -10,3 +10,6 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8"
 )
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Worker scripts run in subprocesses; `--doctest-modules` must not import them.
+collect_ignore_glob = ["_*_worker.py"]

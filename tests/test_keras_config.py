@@ -2,6 +2,7 @@
 current (TF >= 2.4, Keras 3) and legacy (TF <= 2.3, `loss_scale` entry)."""
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -89,7 +90,8 @@ def legacy(class_name, **config):
             multiplier=4.0),
      (True, 256.0, 10, 4.0, 0.25, 1.0, 1)),
     (legacy("DynamicLossScale", multiplier=3),
-     (True, 32768.0, 2000, 3.0, 1.0 / 3, 1.0, 1)),
+     # Factors are kept as the float32 values the rule multiplies by.
+     (True, 32768.0, 2000, 3.0, float(np.float32(1.0 / 3)), 1.0, 1)),
     ({"loss_scale": 128.0}, (False, 128.0, 2000, 2.0, 0.5, 1.0, 1)),
     ({"loss_scale": 512}, (False, 512.0, 2000, 2.0, 0.5, 1.0, 1)),
     ({"loss_scale": "dynamic"}, (True, 32768.0, 2000, 2.0, 0.5, 1.0, 1)),

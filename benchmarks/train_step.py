@@ -1,0 +1,145 @@
+"""End-to-end overhead of loss scaling on a full training step.
+
+Forward, backward and update of a small MLP and a small transformer block
+(flax.linen), float16 compute with float32 master weights, adam; with loss
+scaling (`loss_scale_optimizer` + `scale_loss`) against the same step
+without it. Jitted with donated params and optimizer state; interleaved
+rounds, warm-up excluded, medians.
+
+  python benchmarks/train_step.py
+  python benchmarks/train_step.py --tiny
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_lossscale as ols
+
+COMPUTE = jnp.float16
+
+
+class MLP(nn.Module):
+  width: int
+  depth: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.relu(nn.Dense(self.width, dtype=COMPUTE)(x))
+    return nn.Dense(1, dtype=COMPUTE)(x)
+
+
+class Block(nn.Module):
+  """A pre-norm transformer block: self-attention and an MLP."""
+  dim: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(dtype=COMPUTE)(x)
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=self.heads, dtype=COMPUTE)(h, h)
+    x = x + h
+    h = nn.LayerNorm(dtype=COMPUTE)(x)
+    h = nn.Dense(4 * self.dim, dtype=COMPUTE)(h)
+    h = nn.Dense(self.dim, dtype=COMPUTE)(nn.gelu(h))
+    return x + h
+
+
+def _problems(tiny):
+  if tiny:
+    return {
+        "mlp": (MLP(width=64, depth=2), (8, 32)),
+        "transformer": (Block(dim=32, heads=2), (2, 8, 32)),
+    }
+  return {
+      "mlp": (MLP(width=1024, depth=4), (256, 1024)),
+      "transformer": (Block(dim=256, heads=8), (8, 128, 256)),
+  }
+
+
+def _steps(model, x, y):
+  """Returns {name: (tx, step)} with and without loss scaling."""
+
+  def loss_of(params):
+    out = model.apply(
+        jax.tree.map(lambda p: p.astype(COMPUTE), params), x.astype(COMPUTE))
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+  plain_tx = optax.adam(1e-3)
+
+  def plain_step(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_of)(params)
+    updates, opt_state = plain_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  scaled_tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+
+  def scaled_step(params, opt_state):
+    def scaled_loss(p):
+      loss = loss_of(p)
+      return ols.scale_loss(loss, opt_state), loss
+    (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+    updates, opt_state = scaled_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return {"plain": (plain_tx, plain_step),
+          "loss_scaled": (scaled_tx, scaled_step)}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tiny", action="store_true")
+  p.add_argument("--rounds", type=int, default=None)
+  args = p.parse_args(argv)
+  rounds = args.rounds or (3 if args.tiny else 30)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__};"
+        " float16 compute, float32 master weights, adam; median of"
+        f" {rounds} interleaved rounds")
+  print(f"{'model':<12} {'params':>9} {'plain ms':>9} {'scaled ms':>9}"
+        f" {'overhead':>9}")
+  results = {}
+  key = jax.random.PRNGKey(0)
+  for name, (model, shape) in _problems(args.tiny).items():
+    kx, ky, kp = jax.random.split(jax.random.fold_in(key, len(results)), 3)
+    x = jax.random.normal(kx, shape, jnp.float32)
+    y = jax.random.normal(ky, shape[:-1] + (
+        1 if isinstance(model, MLP) else shape[-1],), jnp.float32)
+    params0 = model.init(kp, x.astype(COMPUTE))
+    params0 = jax.tree.map(lambda a: a.astype(jnp.float32), params0)
+    n = sum(a.size for a in jax.tree.leaves(params0))
+    variants = _steps(model, x, y)
+    fns, states, times = {}, {}, {}
+    for vname, (tx, step) in variants.items():
+      params = jax.tree.map(jnp.copy, params0)
+      opt_state = tx.init(params)
+      fns[vname] = jax.jit(step, donate_argnums=(0, 1))
+      states[vname] = jax.block_until_ready(
+          fns[vname](params, opt_state)[:2])  # warm-up, compile
+      times[vname] = []
+    for _ in range(rounds):
+      for vname in variants:
+        t0 = time.perf_counter()
+        out = fns[vname](*states[vname])
+        jax.block_until_ready(out)
+        times[vname].append(time.perf_counter() - t0)
+        states[vname] = out[:2]
+    plain = statistics.median(times["plain"])
+    scaled = statistics.median(times["loss_scaled"])
+    overhead = scaled / plain - 1
+    results[name] = dict(params=n, plain_s=plain, scaled_s=scaled,
+                         overhead=overhead)
+    print(f"{name:<12} {n:>9} {plain * 1e3:9.2f} {scaled * 1e3:9.2f}"
+          f" {overhead * 100:8.1f}%", flush=True)
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
