@@ -28,12 +28,12 @@ import optax
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 import optax_lossscale as ols
-from optax_lossscale import _skip, _unscale
+from optax_lossscale import _rule
 
 SCALE = 2.0**15
 
 VARIANTS = (
-    "plain", "ours", "ours_divide", "legacy_where", "apply_if_finite",
+    "plain", "ours", "usual_where", "apply_if_finite",
     "jmp", "flax",
 )
 DEFAULT_GRID = (
@@ -75,24 +75,30 @@ def _make_variant(name: str, inner):
     return optax_step(inner)
   if name == "ours":
     return optax_step(ols.loss_scale_optimizer(inner))
-  if name == "ours_divide":
-    return optax_step(ols.loss_scale_optimizer(inner, unscale="divide"))
   if name == "apply_if_finite":
     return optax_step(optax.apply_if_finite(inner, max_consecutive_errors=5))
-  if name == "legacy_where":
-    # The skip as usually written (and as this library did before issue 4):
-    # divide, check, inner update, `jnp.where` over updates and inner state.
-    tx = ols.loss_scale_optimizer(inner, unscale="divide")
+  if name == "usual_where":
+    # The skip as usually written: divide, `all(isfinite)` per leaf on the
+    # unscaled gradients, inner update, `jnp.where` over updates and inner
+    # state (the same scale rule as ours).
+    tx = ols.loss_scale_optimizer(inner)
 
     def step(params, state, grads):
-      unscaled, finite, ls_state = _unscale.unscale_check_adjust(
-          grads, state.loss_scale_state, tx.loss_scale_config)
-      updates, inner_state = _skip.update_unless(
-          finite,
-          lambda s: inner.update(
-              _skip.zero_unless(finite, unscaled), s, params),
-          state.inner_state, rewrite=False)
-      state = state._replace(loss_scale_state=ls_state, inner_state=inner_state)
+      ls_state = state.loss_scale_state
+      unscaled = jax.tree.map(
+          lambda g: (g.astype(jnp.float32) / ls_state.loss_scale).astype(
+              g.dtype), grads)
+      finite = jnp.all(jnp.stack(
+          [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled)]))
+      updates, inner_state = inner.update(unscaled, state.inner_state, params)
+      updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
+      inner_state = jax.tree.map(
+          lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+          inner_state, state.inner_state)
+      state = state._replace(
+          loss_scale_state=_rule.next_state(ls_state, finite,
+                                            tx.loss_scale_config),
+          inner_state=inner_state)
       return optax.apply_updates(params, updates), state
     return tx.init, step
   if name == "jmp":

@@ -27,7 +27,6 @@ class LossScaleConfig:
   max_scale: float
   hysteresis: int
   axis_name: object
-  unscale: str = "auto"
 
 
 def _as_real_scalar(value):
@@ -89,7 +88,6 @@ def make_config(
     max_scale,
     hysteresis,
     axis_name,
-    unscale="auto",
 ) -> LossScaleConfig:
   """Validates the public arguments; every error names argument and value."""
   # Keras-TF2's own checks come first, with the same exception types.
@@ -158,7 +156,6 @@ def make_config(
       max_scale=_float32(max_scale),
       hysteresis=hysteresis,
       axis_name=axis_name,
-      unscale=_check_unscale(unscale),
   )
 
 
@@ -176,49 +173,3 @@ def _check_axis_name(axis_name) -> None:
         "`axis_name` must be None, an axis name (a str), or a tuple of axis"
         f" names, got {axis_name!r}."
     )
-
-
-UNSCALE_CHOICES = ("auto", "divide")
-
-
-def _check_unscale(unscale) -> str:
-  accepted = " or ".join(repr(c) for c in UNSCALE_CHOICES)
-  if not isinstance(unscale, str):
-    raise TypeError(
-        f"`unscale` must be {accepted}, got {unscale!r} of type"
-        f" {type(unscale).__name__}."
-    )
-  if unscale not in UNSCALE_CHOICES:
-    raise ValueError(f"`unscale` must be {accepted}, got {unscale!r}.")
-  return unscale
-
-
-def _is_power_of_two(value: float) -> bool:
-  mantissa, _ = math.frexp(value)
-  return mantissa == 0.5
-
-
-# The smallest normal float32: a power-of-two scale at or above it has a
-# finite power-of-two reciprocal.
-_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-
-
-def unscales_by_reciprocal(config: LossScaleConfig) -> bool:
-  """Whether `unscale="auto"` may multiply by the reciprocal: exactly when
-  every scale the configuration can reach is a power of two."""
-  return config.unscale == "auto" and _scale_stays_power_of_two(config)
-
-
-def _scale_stays_power_of_two(config: LossScaleConfig) -> bool:
-  """Whether every scale this configuration can reach is a power of two.
-
-  Then dividing by the scale and multiplying by its reciprocal give the same
-  bits. Growth multiplies by `growth_factor` (or keeps the scale), backoff
-  multiplies by `backoff_factor` and clips to `min_scale`: powers of two all
-  round, a power-of-two scale stays one. `max_scale` never clips (growth past
-  it keeps the old scale), so it does not matter.
-  """
-  values = [config.initial_scale]
-  if config.dynamic:
-    values += [config.growth_factor, config.backoff_factor, config.min_scale]
-  return all(_is_power_of_two(v) for v in values) and min(values) >= _FLOAT32_TINY

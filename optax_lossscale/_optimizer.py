@@ -67,7 +67,6 @@ def loss_scale_optimizer(
     max_scale: float | None = None,
     hysteresis: int = 1,
     axis_name=None,
-    unscale: str = "auto",
 ) -> LossScaledTransformation:
   r"""Wraps an optax transformation with dynamic loss scaling.
 
@@ -112,16 +111,6 @@ def loss_scale_optimizer(
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which one boolean is reduced, so that every replica skips together.
       Not needed under ``jit`` with shardings.
-    unscale: how step 1 divides by ``s``. ``"auto"`` (the default)
-      multiplies by the reciprocal when every scale the configuration can
-      reach is a power of two (``initial_scale``, ``growth_factor``,
-      ``backoff_factor`` and ``min_scale`` powers of two, as the defaults
-      are): that is the same arithmetic as dividing, and on CPU much faster,
-      since XLA materializes a quotient but fuses a product. Otherwise it
-      divides. ``"divide"`` always divides. Under ``"auto"``, a scale set by
-      hand with :func:`set_loss_scale` should be a power of two as well:
-      another value is applied through its rounded reciprocal.
-
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`LossScaleOptimizerState`.
@@ -155,7 +144,7 @@ def loss_scale_optimizer(
       dynamic, initial_scale, dynamic_growth_steps,
       growth_factor=growth_factor, backoff_factor=backoff_factor,
       min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-      axis_name=axis_name, unscale=unscale,
+      axis_name=axis_name,
   )
   return _loss_scale_optimizer_from_config(_as_transformation(inner), config)
 

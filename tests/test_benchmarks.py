@@ -26,7 +26,8 @@ def test_overhead_tiny(capsys):
   out = capsys.readouterr().out
   assert "device:" in out and "jax" in out
   variants = {r["variant"] for r in results}
-  assert {"plain", "ours", "apply_if_finite", "jmp", "flax"} <= variants
+  assert {"plain", "ours", "usual_where", "apply_if_finite", "jmp",
+          "flax"} <= variants
   for r in results:
     assert r["median_s"] > 0 and math.isfinite(r["ratio"])
     assert math.isfinite(r["compile_ratio"])

@@ -1,0 +1,81 @@
+"""The finiteness check: one max-reduction per leaf, equal to the
+element-wise definition ("every element of every unscaled leaf is finite")
+for every dtype, special value and scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_lossscale as ols
+from optax_lossscale import _config, _state, _unscale
+
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+SPECIALS = (np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3e38, -3e38, 1e-45)
+
+
+SIZE = 6  # fixed shapes: one compilation serves every example
+
+
+@st.composite
+def trees(draw):
+  """One leaf of each dtype, values mixing ordinary numbers and specials."""
+  tree = {}
+  for dtype in DTYPES:
+    values = np.asarray(draw(st.lists(
+        st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
+        min_size=SIZE, max_size=SIZE)), np.float64)
+    with np.errstate(over="ignore"):
+      tree[jnp.dtype(dtype).name] = jnp.asarray(values.astype(np.float32),
+                                                dtype)
+  return tree
+
+
+def elementwise_finite(tree):
+  return all(np.isfinite(np.asarray(x, np.float32)).all()
+             for x in jax.tree.leaves(tree))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(trees())
+def test_all_finite_matches_the_elementwise_definition(tree):
+  assert bool(jax.jit(ols.all_finite)(tree)) == elementwise_finite(tree)
+
+
+SCALES = (2.0**-20, 0.3, 0.5, 1.0, 3.0, 2.0**15, 2.0**127)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(trees(), st.sampled_from(SCALES), st.booleans())
+def test_unscaled_check_matches_the_elementwise_definition(
+    grads, scale, float32_params):
+  """Scales below 1 can overflow a finite gradient when unscaling; the
+  verdict must see it, in the dtype the unscaled gradient will have."""
+  dynamic = _config.make_config(
+      True, scale, None, growth_factor=2.0, backoff_factor=0.5,
+      min_scale=min(scale, 1.0), max_scale=None, hysteresis=1,
+      axis_name=None)
+  params = jax.tree.map(
+      lambda g: jnp.zeros(g.shape, jnp.float32 if float32_params else g.dtype),
+      grads)
+  state = _state.init_loss_scale_state(dynamic.initial_scale, True)
+  unscaled, finite, _ = _check(grads, state, params, dynamic)
+  assert bool(finite) == elementwise_finite(unscaled)
+
+
+@jax.jit(static_argnums=3)
+def _check(grads, state, params, config):
+  return _unscale.unscale_check_adjust(grads, state, config, params)
+
+
+def test_complex_leaves_check_each_part():
+  big = jnp.asarray([3e38 + 3e38j], jnp.complex64)  # |z| overflows, parts not
+  assert bool(ols.all_finite(big))
+  assert not bool(ols.all_finite(jnp.asarray([1 + 1j * np.inf], jnp.complex64)))
+  assert not bool(ols.all_finite(jnp.asarray([np.nan + 0j], jnp.complex64)))
+
+
+def test_integer_and_empty_leaves_are_finite():
+  assert bool(ols.all_finite({"i": jnp.arange(3), "e": jnp.zeros((0, 4)),
+                              "b": jnp.ones(2, jnp.bool_)}))
