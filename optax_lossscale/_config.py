@@ -173,3 +173,11 @@ def _check_axis_name(axis_name) -> None:
         "`axis_name` must be None, an axis name (a str), or a tuple of axis"
         f" names, got {axis_name!r}."
     )
+
+
+def scale_can_fall_below_one(config: LossScaleConfig) -> bool:
+  """Whether the rule can take the scale below 1 (where unscaling can
+  overflow a finite gradient)."""
+  if config.dynamic:
+    return config.min_scale < 1.0
+  return config.initial_scale < 1.0

@@ -40,17 +40,26 @@ def largest_magnitude(x) -> jax.Array | None:
   (complex leaves: over real and imaginary parts apart); None for leaves that
   cannot be non-finite (integers, booleans, empty arrays).
 
-  One max-reduction decides finiteness: the largest magnitude is inf when
-  any element is infinite, and NaN propagates through `max`. On CPU it
-  vectorizes, where a reduction of `isfinite` booleans does not.
+  One max-reduction decides finiteness, taken over the bit patterns of the
+  magnitudes as unsigned integers: for non-negative floats their order is
+  the order of the values, with inf above every finite value and every NaN
+  above inf. A float `max` would not do: XLA's vectorized max on CPU drops
+  NaNs in large arrays. It vectorizes, where a reduction of `isfinite`
+  booleans does not.
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
     return None
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.maximum(jnp.max(jnp.abs(jnp.real(x))),
-                       jnp.max(jnp.abs(jnp.imag(x))))
-  return jnp.max(jnp.abs(x))
+    return jnp.maximum(largest_magnitude(jnp.real(x)),
+                       largest_magnitude(jnp.imag(x)))
+  unsigned = _UNSIGNED[x.dtype.itemsize]
+  sign_bit = jnp.asarray(1 << (8 * x.dtype.itemsize - 1), unsigned)
+  magnitudes = lax.bitcast_convert_type(x, unsigned) & ~sign_bit
+  return lax.bitcast_convert_type(jnp.max(magnitudes), x.dtype)
+
+
+_UNSIGNED = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def all_finite_across(finite: jax.Array, axis_name) -> jax.Array:

@@ -168,8 +168,13 @@ def set_loss_scale(opt_state, value):
   """Returns `opt_state` with its loss scale replaced by `value`.
 
   For checkpoint surgery: restart a run at a chosen scale. The counters are
-  left as they are. A concrete value is checked (finite and > 0); a traced
-  one is taken as given.
+  left as they are. A concrete value is checked (a finite scalar > 0); a
+  traced one is taken as given. Choose it within the optimizer's
+  ``[min_scale, max_scale]``: the rule does not clip a value set by hand, so
+  below ``min_scale`` the next backoff raises it to ``min_scale``, and a
+  value below 1 under a ``min_scale >= 1`` counts as an overflow (the step
+  is skipped and backoff brings the scale back to ``min_scale``), because
+  the finiteness check there relies on a scale of at least 1.
 
   Args:
     opt_state: an optimizer state holding one loss-scale state.
@@ -189,6 +194,10 @@ def set_loss_scale(opt_state, value):
     Array(256., dtype=float32)
   """
   find_loss_scale_state(opt_state)  # exactly one, scalar
+  if jnp.shape(value) != ():
+    raise ValueError(
+        f"`value` must be a scalar loss scale, got shape {jnp.shape(value)}."
+    )
   if not isinstance(value, jax.core.Tracer):
     with np.errstate(over="ignore", invalid="ignore"):
       as_f32 = float(np.float32(np.asarray(value)))

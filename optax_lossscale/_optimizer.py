@@ -106,7 +106,8 @@ def loss_scale_optimizer(
     min_scale: the floor the scale never goes below (default 1).
     max_scale: the ceiling growth never exceeds (default: float32 max).
     hysteresis: non-finite steps in a row before the scale backs off
-      (Megatron/DeepSpeed style); every non-finite step is skipped
+      (any finite step refills the tolerance, as DeepSpeed's
+      ``consecutive_hysteresis=True``); every non-finite step is skipped
       regardless.
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which one boolean is reduced, so that every replica skips together.

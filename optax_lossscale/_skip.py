@@ -14,8 +14,9 @@ state buffer first: 3.9-5.6x a plain adam step on CPU.
 `update_unless` instead selects each new-state value *where it is made*, and
 lets everything after it in the inner update (its updates, in particular)
 read the selected value. On a finite step the selected value is the new value,
-bit for bit, so the updates are exactly the plain inner update's; on a
-skipped step the updates are discarded (zeros are returned), and the state is
+so the updates are the plain inner update's computation (bitwise up to XLA's
+fusion choices, which already differ between two jits of the same update); on
+a skipped step the updates are discarded (zeros are returned), and the state is
 the old one, bit for bit. The step then has the dataflow of the plain optax
 step (each old state buffer is read by one fusion, which writes the new state
 in place; the updates read the new state), and XLA inserts no copies.
@@ -54,6 +55,10 @@ def zero_unless(finite: jax.Array, updates):
 
 
 def _select(finite, n, o):
+  if jax.dtypes.issubdtype(jnp.result_type(o), jax.dtypes.extended):
+    # Typed PRNG keys (optax.noisy_sgd's state): no `astype`, and `where`
+    # keeps their dtype.
+    return jnp.where(finite, n, o)
   return jnp.where(finite, n, o).astype(jnp.result_type(o))
 
 
@@ -66,7 +71,7 @@ def update_unless(
 ):
   """Runs `update(old_state) -> (updates, new_state)`, skipped unless `finite`.
 
-  Returns `(updates, state)`: on a finite step exactly what `update` returns;
+  Returns `(updates, state)`: on a finite step what `update` computes;
   otherwise zero updates (each in its own dtype) and `old_state`, bit for bit.
 
   With `rewrite=True` (the default) the selection of each new-state value is

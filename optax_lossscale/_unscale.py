@@ -97,13 +97,21 @@ def _unscale_and_check_from_config(config) -> optax.GradientTransformationExtraA
 def unscale_check_adjust(updates, state: LossScaleState, config, params=None):
   """Returns (unscaled updates, finite flag, next loss-scale state)."""
   check_scalar_state(state)
-  out_dtypes = _unscaled_dtypes(updates, params)
-  unscaled = jax.tree.map(
-      lambda g, dtype: _unscale_leaf(g, dtype, state.loss_scale),
-      updates, out_dtypes, is_leaf=_is_none)
-  finite = _finite.all_finite_across(
-      _all_unscaled_finite(updates, out_dtypes, state.loss_scale),
-      config.axis_name)
+  scale = state.loss_scale
+  unscaled = unscale(updates, scale, params)
+  if _config.scale_can_fall_below_one(config):
+    # Dividing by a scale below 1 can overflow a finite gradient: check the
+    # very values that are passed on.
+    finite = _finite.all_finite(unscaled)
+  else:
+    # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
+    # incoming gradient decides, as it arrives: XLA then need not
+    # materialize the quotient for the check (which made the step 2-3x a
+    # plain adam step on CPU). A scale below 1 can only come from
+    # `set_loss_scale`; it counts as an overflow, and backoff returns it to
+    # `min_scale`.
+    finite = _finite.all_finite(updates) & (scale >= 1)
+  finite = _finite.all_finite_across(finite, config.axis_name)
   return unscaled, finite, _rule.next_state(state, finite, config)
 
 
@@ -129,10 +137,14 @@ def _unscaled_dtypes(updates, params):
     return jax.tree.map(lambda g: None if g is None else jnp.result_type(g),
                         updates, is_leaf=_is_none)
   check_same_structure(updates, params)
-  return jax.tree.map(
-      lambda g, p: None if g is None else jnp.promote_types(
-          jnp.result_type(g), jnp.result_type(p)),
-      updates, params, is_leaf=_is_none)
+  def dtype(g, p):
+    if g is None:
+      return None
+    if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+      return jnp.result_type(g)  # integers and float0 pass through as they are
+    return jnp.promote_types(jnp.result_type(g), jnp.result_type(p))
+
+  return jax.tree.map(dtype, updates, params, is_leaf=_is_none)
 
 
 def check_same_structure(updates, params) -> None:
@@ -146,27 +158,6 @@ def check_same_structure(updates, params) -> None:
         "The gradient tree must have the structure of `params`, got"
         f" gradients {structure(updates)} and params {structure(params)}."
     )
-
-
-def _all_unscaled_finite(updates, out_dtypes, loss_scale):
-  """Whether every element of every unscaled leaf is finite.
-
-  Unscaling is monotone in the magnitude (a product or quotient by a
-  positive number, rounded to nearest), so it suffices to unscale each
-  leaf's largest magnitude: one max-reduction of the incoming gradient per
-  leaf (NaN propagates through it), then scalars. On CPU a max-reduction
-  vectorizes where a reduction of `isfinite` booleans does not, and it reads
-  the gradient as it arrives, so XLA need not materialize the quotient for
-  it (which made dividing cost 2-3x a plain adam step).
-  """
-  flags = []
-  for g, dtype in zip(jax.tree.leaves(updates), jax.tree.leaves(out_dtypes)):
-    largest = _finite.largest_magnitude(g)
-    if largest is not None:
-      real_dtype = jnp.finfo(dtype).dtype
-      flags.append(jnp.isfinite(
-          _unscale_leaf(largest, real_dtype, loss_scale)))
-  return jnp.all(jnp.stack(flags)) if flags else jnp.ones([], jnp.bool_)
 
 
 def _unscale_leaf(g, out_dtype, loss_scale):

@@ -143,3 +143,18 @@ def test_unscale_is_the_correctly_rounded_quotient():
                   - expected.view(np.int32).astype(np.int64))
     allowed = 0 if float(exponent).is_integer() else 1
     assert ulps.max() <= allowed, (exponent, ulps.max())
+
+
+def test_typed_prng_keys_in_the_inner_state():
+  """optax.noisy_sgd keeps a typed key in its state; eager and jitted
+  updates both keep it (no `astype` on an extended dtype)."""
+  tx = ols.loss_scale_optimizer(optax.noisy_sgd(0.1, key=jax.random.key(0)))
+  params = jnp.ones(3)
+  state = tx.init(params)
+  for update in (tx.update, jax.jit(tx.update)):
+    _, new_state = update(jnp.array([1.0, jnp.nan, 1.0]), state, params)
+    assert jax.random.key_data(new_state.inner_state[0].rng_key).tolist() == \
+        jax.random.key_data(state.inner_state[0].rng_key).tolist()
+    _, new_state = update(jnp.ones(3), state, params)
+    assert new_state.inner_state[0].rng_key.dtype == \
+        state.inner_state[0].rng_key.dtype
