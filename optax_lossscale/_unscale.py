@@ -106,10 +106,9 @@ def unscale_check_adjust(updates, state: LossScaleState, config, params=None):
   else:
     # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
     # incoming gradient decides, as it arrives: XLA then need not
-    # materialize the quotient for the check (which made the step 2-3x a
-    # plain adam step on CPU). A scale below 1 can only come from
-    # `set_loss_scale`; it counts as an overflow, and backoff returns it to
-    # `min_scale`.
+    # materialize the quotient for the check. A scale below 1 can only come
+    # from `set_loss_scale`; it counts as an overflow, and backoff returns
+    # it to `min_scale`.
     finite = _finite.all_finite(updates) & (scale >= 1)
   finite = _finite.all_finite_across(finite, config.axis_name)
   return unscaled, finite, _rule.next_state(state, finite, config)
