@@ -28,7 +28,9 @@ def from_keras_config(config: dict[str, Any], inner):
   TF <= 2.3 form with a ``loss_scale`` entry (``FixedLossScale``, or
   ``DynamicLossScale`` with ``initial_loss_scale``, ``increment_period`` and
   ``multiplier``; a bare number or ``"dynamic"`` as well). A multiplier ``m``
-  becomes ``growth_factor=m`` and ``backoff_factor=1/m``. The inner optimizer
+  becomes ``growth_factor=m`` and ``backoff_factor=1/m`` (Keras divides by
+  ``m``; for an ``m`` that is not a power of two, multiplying by the float32
+  ``1/m`` can differ from that in the last bit). The inner optimizer
   comes from the caller; the config's inner-optimizer entries are ignored.
 
   Args:

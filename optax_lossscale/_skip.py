@@ -127,7 +127,8 @@ def update_unless(
   except Exception:  # pylint: disable=broad-except
     # A primitive that cannot be re-bound from its jaxpr equation (none in
     # optax is known): the plain select is always exact. Errors of the inner
-    # update itself were raised by `make_jaxpr` above, not hidden here.
+    # update itself were raised by `make_jaxpr` above, not hidden here. The
+    # price of the fallback: the inner update is traced once more.
     updates, new_state = update(old_state)
     return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
   updates = [outs[i] for i in update_slots]
