@@ -23,7 +23,6 @@ import time
 import jax
 import jax.numpy as jnp
 import jmp
-import numpy as np
 import optax
 from flax.training import dynamic_scale as flax_dynamic_scale
 
