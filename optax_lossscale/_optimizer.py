@@ -112,6 +112,7 @@ def loss_scale_optimizer(
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which one boolean is reduced, so that every replica skips together.
       Not needed under ``jit`` with shardings.
+
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`LossScaleOptimizerState`.

@@ -82,8 +82,7 @@ def update_unless(
     # Eagerly, every op runs on its own: nothing to gain, and re-binding the
     # update's inlined calls one op at a time could round differently from
     # the inner update's own eager run.
-    updates, new_state = update(old_state)
-    return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
+    return _select_after(finite, update, old_state)
 
   old_leaves, state_def = jax.tree.flatten(old_state)
   closed, out_shape = jax.make_jaxpr(
@@ -98,8 +97,7 @@ def update_unless(
   state_slots = jax.tree.leaves(new_state_shape)
   if jax.tree.structure(new_state_shape) != state_def:
     # The inner state changed structure: `keep_unless` raises the usual error.
-    updates, new_state = update(old_state)
-    return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
+    return _select_after(finite, update, old_state)
 
   jaxpr = closed.jaxpr
   # Which jaxpr outputs are state leaves, and which old value each keeps.
@@ -109,14 +107,13 @@ def update_unless(
     v = jaxpr.outvars[slot]
     if isinstance(v, jex_core.Var):
       count[v] = count.get(v, 0) + 1
-  invars = set(jaxpr.invars)
+  passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
   for slot, old in zip(state_slots, old_leaves):
     v = jaxpr.outvars[slot]
     if (
         isinstance(v, jex_core.Var)
         and count[v] == 1
-        and v not in invars
-        and v not in set(jaxpr.constvars)
+        and v not in passed_through
         and v.aval.shape == jnp.shape(old)
         and v.aval.dtype == jnp.result_type(old)
     ):
@@ -129,8 +126,7 @@ def update_unless(
     # optax is known): the plain select is always exact. Errors of the inner
     # update itself were raised by `make_jaxpr` above, not hidden here. The
     # price of the fallback: the inner update is traced once more.
-    updates, new_state = update(old_state)
-    return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
+    return _select_after(finite, update, old_state)
   updates = [outs[i] for i in update_slots]
   new_leaves = []
   for slot, old in zip(state_slots, old_leaves):
@@ -144,6 +140,12 @@ def update_unless(
       zero_unless(finite, updates),
       jax.tree.unflatten(state_def, new_leaves),
   )
+
+
+def _select_after(finite, update, old_state):
+  """The plain skip: run `update`, then select; always exact."""
+  updates, new_state = update(old_state)
+  return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
 
 
 def _traced(*trees) -> bool:
@@ -187,13 +189,13 @@ def _eval(jaxpr, consts, args, finite, select_at):
     if isinstance(sub, jex_core.ClosedJaxpr):
       # Selections wanted on this call's outputs are pushed inside it.
       inner_select = {}
+      passed_through = set(sub.jaxpr.invars) | set(sub.jaxpr.constvars)
       for outer_v, inner_v in zip(eqn.outvars, sub.jaxpr.outvars):
         if (
             isinstance(outer_v, jex_core.Var)
             and outer_v in select_at
             and isinstance(inner_v, jex_core.Var)
-            and inner_v not in set(sub.jaxpr.invars)
-            and inner_v not in set(sub.jaxpr.constvars)
+            and inner_v not in passed_through
             and sum(w is inner_v for w in sub.jaxpr.outvars) == 1
         ):
           inner_select[inner_v] = select_at[outer_v]

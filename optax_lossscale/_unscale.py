@@ -133,9 +133,10 @@ def _is_none(x) -> bool:
 def _unscaled_dtypes(updates, params):
   """The dtype each unscaled leaf gets (a tree of dtypes, None for None)."""
   if params is None:
-    return jax.tree.map(lambda g: None if g is None else jnp.result_type(g),
-                        updates, is_leaf=_is_none)
-  check_same_structure(updates, params)
+    params = updates  # each leaf keeps its own dtype
+  else:
+    check_same_structure(updates, params)
+
   def dtype(g, p):
     if g is None:
       return None
