@@ -11,6 +11,12 @@ compiled HLO, `memory_analysis()` temp sizes and compile-time ratios.
   python benchmarks/overhead.py --tiny     # seconds, for the smoke test
   python benchmarks/overhead.py --params 10M --leaves 50 --opt adam --grad-dtype float32
   python benchmarks/overhead.py --full     # the whole product (long on CPU)
+  python benchmarks/overhead.py --chained 10   # also steps back to back
+
+`--chained K` adds a column: the median per-step time of K steps dispatched
+back to back with one `block_until_ready` at the end, as a training loop runs
+them. On an accelerator a single blocked step also times the host's dispatch
+and the wait for the result; back to back, dispatch overlaps device work.
 """
 
 import argparse
@@ -167,7 +173,7 @@ def _make_params(sizes):
 
 
 def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
-               out=print):
+               out=print, chained=0):
   """Benchmarks one configuration; returns {variant: result dict}."""
   inner = _inner(opt)
   sizes = _leaf_sizes(n_params, n_leaves)
@@ -207,13 +213,28 @@ def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
       jax.block_until_ready(new)
       results[name]["times"].append(time.perf_counter() - t0)
       states[name] = new
+  for name in variants:
+    results[name]["chained"] = []
+  for _ in range(rounds if chained else 0):
+    for name in variants:
+      params, state = states[name]
+      t0 = time.perf_counter()
+      for _ in range(chained):
+        params, state = compiled[name](params, state, grads)
+      jax.block_until_ready((params, state))
+      results[name]["chained"].append((time.perf_counter() - t0) / chained)
+      states[name] = (params, state)
   base = statistics.median(results["plain"]["times"]) if "plain" in results \
       else None
+  base_chained = (statistics.median(results["plain"]["chained"])
+                  if chained and "plain" in results else None)
   base_compile = results.get("plain", {}).get("compile_s")
   for name in variants:
     r = results[name]
     r["median_s"] = statistics.median(r["times"])
     r["ratio"] = r["median_s"] / base if base else float("nan")
+    r["chained_ratio"] = (statistics.median(r["chained"]) / base_chained
+                          if base_chained else float("nan"))
     r["compile_ratio"] = (r["compile_s"] / base_compile if base_compile
                           else float("nan"))
   del states, compiled
@@ -245,6 +266,8 @@ def main(argv=None):
   p.add_argument("--all-recipes", action="store_true",
                  help="also run the jmp and flax recipes above 100 leaves"
                  " (their compile time grows steeply: minutes at 1000 leaves)")
+  p.add_argument("--chained", type=int, default=0, metavar="K",
+                 help="also time K steps back to back (one block at the end)")
   p.add_argument("--rounds", type=int, default=None,
                  help="timed rounds per configuration (default 15; 5 at"
                  " 100M params; 3 with --tiny)")
@@ -271,10 +294,13 @@ def main(argv=None):
         f" cpu threads: {os.cpu_count()}"
         f" (affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})")
   print("time, compile: median ratio to plain; copies: ' copy(' ops in the"
-        " compiled HLO; temp: memory_analysis() temp MB")
+        " compiled HLO; temp: memory_analysis() temp MB"
+        + (f"; chained: ratio for {args.chained} steps back to back"
+           if args.chained else ""))
   header = (f"{'params':>6} {'leaves':>6} {'opt':>4} {'grad':>7}"
             f" {'variant':<16} {'ms':>8} {'time':>6} {'compile':>7}"
-            f" {'copies':>6} {'temp MB':>8}")
+            f" {'copies':>6} {'temp MB':>8}"
+            + (f" {'chained':>7}" if args.chained else ""))
   print(header)
   all_results = []
   for n_params, n_leaves, opt, grad_dtype in grid:
@@ -287,16 +313,20 @@ def main(argv=None):
           ran.remove(name)
           print(f"  {name}: not run above 100 leaves (compile takes minutes;"
                 " --all-recipes runs it)")
-    res = run_config(n_params, n_leaves, opt, grad_dtype, ran, rounds)
+    res = run_config(n_params, n_leaves, opt, grad_dtype, ran, rounds,
+                     chained=args.chained)
     for name in ran:
       r = res[name]
       print(f"{_fmt_count(n_params):>6} {n_leaves:>6} {opt:>4}"
             f" {grad_dtype:>7} {name:<16} {r['median_s'] * 1e3:8.2f}"
             f" {r['ratio']:6.2f} {r['compile_ratio']:7.2f}"
-            f" {r['copies']:6d} {r['temp_bytes'] / 1e6:8.1f}", flush=True)
+            f" {r['copies']:6d} {r['temp_bytes'] / 1e6:8.1f}"
+            + (f" {r['chained_ratio']:7.2f}" if args.chained else ""),
+            flush=True)
       all_results.append(dict(
           params=n_params, leaves=n_leaves, opt=opt, grad_dtype=grad_dtype,
-          variant=name, **{k: v for k, v in r.items() if k != "times"}))
+          variant=name,
+          **{k: v for k, v in r.items() if k not in ("times", "chained")}))
   return all_results
 
 

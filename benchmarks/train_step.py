@@ -8,6 +8,10 @@ rounds, warm-up excluded, medians.
 
   python benchmarks/train_step.py
   python benchmarks/train_step.py --tiny
+  python benchmarks/train_step.py --chained 10   # also steps back to back
+
+`--chained K` adds the overhead of K steps dispatched back to back with one
+`block_until_ready` at the end, as a training loop runs them.
 """
 
 import argparse
@@ -101,13 +105,15 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--rounds", type=int, default=None)
+  p.add_argument("--chained", type=int, default=0, metavar="K",
+                 help="also time K steps back to back (one block at the end)")
   args = p.parse_args(argv)
   rounds = args.rounds or (3 if args.tiny else 30)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__};"
         " float16 compute, float32 master weights, adam; median of"
         f" {rounds} interleaved rounds")
   print(f"{'model':<12} {'params':>9} {'plain ms':>9} {'scaled ms':>9}"
-        f" {'overhead':>9}")
+        f" {'overhead':>9}" + (f" {'chained':>8}" if args.chained else ""))
   results = {}
   key = jax.random.PRNGKey(0)
   for name, (model, shape) in _problems(args.tiny).items():
@@ -134,12 +140,28 @@ def main(argv=None):
         jax.block_until_ready(out)
         times[vname].append(time.perf_counter() - t0)
         states[vname] = out[:2]
+    chained = {vname: [] for vname in variants}
+    for _ in range(rounds if args.chained else 0):
+      for vname in variants:
+        t0 = time.perf_counter()
+        state = states[vname]
+        for _ in range(args.chained):
+          state = fns[vname](*state)[:2]
+        jax.block_until_ready(state)
+        chained[vname].append((time.perf_counter() - t0) / args.chained)
+        states[vname] = state
     plain = statistics.median(times["plain"])
     scaled = statistics.median(times["loss_scaled"])
     results[name] = dict(params=n, plain_s=plain, scaled_s=scaled,
                          overhead=scaled / plain - 1)
-    print(f"{name:<12} {n:>9} {plain * 1e3:9.2f} {scaled * 1e3:9.2f}"
-          f" {(scaled / plain - 1) * 100:8.1f}%", flush=True)
+    line = (f"{name:<12} {n:>9} {plain * 1e3:9.2f} {scaled * 1e3:9.2f}"
+            f" {(scaled / plain - 1) * 100:8.1f}%")
+    if args.chained:
+      overhead = (statistics.median(chained["loss_scaled"])
+                  / statistics.median(chained["plain"]) - 1)
+      results[name]["chained_overhead"] = overhead
+      line += f" {overhead * 100:7.1f}%"
+    print(line, flush=True)
   return results
 
 

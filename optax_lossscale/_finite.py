@@ -25,21 +25,36 @@ def all_finite(tree) -> jax.Array:
     >>> ols.all_finite({'w': jnp.ones(3), 'b': None})
     Array(True, dtype=bool)
   """
-  flags = [_leaf_finite(x) for x in jax.tree.leaves(tree)]
-  if not flags:
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+  # Integer and boolean leaves are always finite; empty ones hold nothing.
+  leaves = [x for x in leaves
+            if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  if not leaves:
     return jnp.ones([], jnp.bool_)
-  return jnp.all(jnp.stack(flags))
+  # Two formulations of one exact check, chosen when the step is lowered
+  # (no branch at run time): on CPU, one reduction per leaf; elsewhere, one
+  # reduction over the leaves concatenated, which XLA fuses into a single
+  # kernel instead of one or two per leaf. Measured with `jax.profiler` on
+  # an H100, the per-leaf check cost 100 kernel launches for 50 leaves (about
+  # the device time of adam itself); on CPU, the concatenation is
+  # materialized and runs 6-10x slower.
+  return lax.platform_dependent(*leaves, cpu=_per_leaf, default=_concatenated)
 
 
-def _leaf_finite(x) -> jax.Array:
+def _per_leaf(*leaves) -> jax.Array:
   # `all(isfinite)`, not a max-reduction of magnitudes: XLA's vectorized
   # float max on CPU drops NaNs in large arrays, and the exact alternatives
   # measured (a max over bit patterns, NaN mapped to inf) made XLA
   # materialize a gradient-sized temporary in the optimizer step.
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.ones([], jnp.bool_)
-  return jnp.all(jnp.isfinite(x))
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _concatenated(*leaves) -> jax.Array:
+  flags = []
+  for dtype in sorted({x.dtype for x in leaves}, key=str):
+    flat = [x.ravel() for x in leaves if x.dtype == dtype]
+    flags.append(jnp.all(jnp.isfinite(jnp.concatenate(flat))))
+  return jnp.all(jnp.stack(flags))
 
 
 def all_finite_across(finite: jax.Array, axis_name) -> jax.Array:

@@ -22,7 +22,7 @@ def _load(name):
 
 
 def test_overhead_tiny(capsys):
-  results = _load("overhead").main(["--tiny"])
+  results = _load("overhead").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
   assert "device:" in out and "jax" in out
   variants = {r["variant"] for r in results}
@@ -31,16 +31,18 @@ def test_overhead_tiny(capsys):
   for r in results:
     assert r["median_s"] > 0 and math.isfinite(r["ratio"])
     assert math.isfinite(r["compile_ratio"])
+    assert math.isfinite(r["chained_ratio"])
     assert r["copies"] >= 0 and r["temp_bytes"] >= 0
   plain = next(r for r in results if r["variant"] == "plain")
   assert plain["ratio"] == pytest.approx(1.0)
 
 
 def test_train_step_tiny(capsys):
-  results = _load("train_step").main(["--tiny"])
+  results = _load("train_step").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
   assert "overhead" in out
   assert set(results) == {"mlp", "transformer"}
   for r in results.values():
     assert r["plain_s"] > 0 and r["scaled_s"] > 0
     assert math.isfinite(r["overhead"]) and r["params"] > 0
+    assert math.isfinite(r["chained_overhead"])

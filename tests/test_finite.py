@@ -1,6 +1,7 @@
-"""The finiteness check: one max-reduction per leaf, equal to the
-element-wise definition ("every element of every unscaled leaf is finite")
-for every dtype, special value and scale."""
+"""The finiteness check, equal to the element-wise definition ("every
+element of every unscaled leaf is finite") for every dtype, special value and
+scale, in both of its formulations: one reduction per leaf (CPU) and one
+reduction over the concatenated leaves (GPU and TPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _state, _unscale
+from optax_lossscale import _config, _finite, _state, _unscale
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 SPECIALS = (np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3e38, -3e38, 1e-45)
@@ -41,6 +42,32 @@ def elementwise_finite(tree):
 @given(trees())
 def test_all_finite_matches_the_elementwise_definition(tree):
   assert bool(jax.jit(ols.all_finite)(tree)) == elementwise_finite(tree)
+
+
+_concatenated = jax.jit(lambda tree: _finite._concatenated(
+    *jax.tree.leaves(tree)))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(trees())
+def test_the_concatenated_check_matches_the_elementwise_definition(tree):
+  """The formulation lowered for GPU and TPU, run here on CPU."""
+  assert bool(_concatenated(tree)) == elementwise_finite(tree)
+
+
+def _lowered_text(platform: str) -> str:
+  tree = {"a": jnp.ones(8), "b": jnp.ones((2, 2)), "c": jnp.ones(3, jnp.float16)}
+  exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
+  return exported(tree).mlir_module()
+
+
+def test_the_formulation_is_chosen_when_lowering_for_a_platform():
+  """No run-time branch: lowering for CPU keeps the per-leaf reductions,
+  lowering for GPU keeps the single reduction over the concatenation."""
+  cpu, cuda = _lowered_text("cpu"), _lowered_text("cuda")
+  concatenated = "-> tensor<12xf32>"  # a and b, raveled, end to end
+  assert concatenated not in cpu and cpu.count("stablehlo.is_finite") == 3
+  assert concatenated in cuda and cuda.count("stablehlo.is_finite") == 2
 
 
 SCALES = (2.0**-20, 0.3, 0.5, 1.0, 3.0, 2.0**15, 2.0**127)
@@ -90,6 +117,9 @@ def test_nan_in_a_large_leaf_is_found_wherever_it_is():
         for special in (np.nan, np.inf, -np.inf):
           leaf = jnp.ones(size, dtype).at[position].set(special)
           assert not bool(jax.jit(ols.all_finite)({"w": leaf})), (
+              dtype, size, position, special)
+          assert not bool(_concatenated({"v": jnp.ones(5, dtype), "w": leaf,
+                                         "x": jnp.ones(3, jnp.float32)})), (
               dtype, size, position, special)
 
 
