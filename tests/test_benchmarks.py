@@ -46,3 +46,14 @@ def test_train_step_tiny(capsys):
     assert r["plain_s"] > 0 and r["scaled_s"] > 0
     assert math.isfinite(r["overhead"]) and r["params"] > 0
     assert math.isfinite(r["chained_overhead"])
+
+
+def test_device_time_tiny(capsys):
+  results = _load("device_time").main(["--tiny"])
+  out = capsys.readouterr().out
+  assert "device us" in out
+  assert {"train step mlp", "train step transformer"} <= set(results)
+  for res in results.values():
+    assert set(res) >= {"plain"} and len(res) >= 2
+    for seconds, kernels in res.values():
+      assert seconds > 0 and kernels > 0
