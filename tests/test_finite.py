@@ -55,6 +55,18 @@ def test_the_concatenated_check_matches_the_elementwise_definition(tree):
   assert bool(_concatenated(tree)) == elementwise_finite(tree)
 
 
+def test_the_concatenated_check_sees_every_group_of_leaves():
+  """Leaves are concatenated in groups (a single concatenation of 1,000
+  leaves was materialized on GPU); a non-finite value in any group counts."""
+  n = 3 * _finite._LEAVES_PER_CONCATENATION + 5
+  for bad in (0, _finite._LEAVES_PER_CONCATENATION,
+              2 * _finite._LEAVES_PER_CONCATENATION + 1, n - 1):
+    tree = [jnp.ones(3)] * n
+    assert bool(_concatenated(tree))
+    tree[bad] = jnp.array([1.0, np.inf, 1.0])
+    assert not bool(_concatenated(tree)), bad
+
+
 def _lowered_text(platform: str) -> str:
   tree = {"a": jnp.ones(8), "b": jnp.ones((2, 2)), "c": jnp.ones(3, jnp.float16)}
   exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
