@@ -46,6 +46,7 @@ def test_train_step_tiny(capsys):
     assert r["plain_s"] > 0 and r["scaled_s"] > 0
     assert math.isfinite(r["overhead"]) and r["params"] > 0
     assert math.isfinite(r["chained_overhead"])
+    assert r["compile_ratio"] > 0
 
 
 def test_device_time_tiny(capsys):
