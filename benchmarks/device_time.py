@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
+# The steps of the two other benchmarks, timed here on the device's clock.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overhead  # noqa: E402  pylint: disable=wrong-import-position
-import train_step  # noqa: E402  pylint: disable=wrong-import-position
+from overhead import (  # noqa: E402
+    _fmt_count, _inner, _leaf_sizes, _make_params, _make_variant)
+from train_step import COMPUTE, MLP, _problems, _steps  # noqa: E402
 
 # Profiler bookkeeping on the XLA CPU client's threads, not computation.
 _CPU_BOOKKEEPING = ("end: ", "ThreadpoolListener", "ThunkExecutor")
@@ -58,13 +60,13 @@ def device_time(step, state, steps):
 
 
 def _post_gradient(n_params, n_leaves, steps):
-  inner = overhead._inner("adam")  # pylint: disable=protected-access
-  sizes = overhead._leaf_sizes(n_params, n_leaves)  # pylint: disable=protected-access
+  inner = _inner("adam")
+  sizes = _leaf_sizes(n_params, n_leaves)
   grads = [jnp.full((s,), 0.5, jnp.float32) for s in sizes]
   out = {}
   for name in ("plain", "ours", "jmp", "flax"):
-    init, step = overhead._make_variant(name, inner)  # pylint: disable=protected-access
-    params = overhead._make_params(sizes)  # pylint: disable=protected-access
+    init, step = _make_variant(name, inner)
+    params = _make_params(sizes)
     state = init(params)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
         params, state, grads).compile()
@@ -76,15 +78,15 @@ def _post_gradient(n_params, n_leaves, steps):
 def _train_steps(tiny, steps):
   out = {}
   key = jax.random.PRNGKey(0)
-  for model_name, (model, shape) in train_step._problems(tiny).items():  # pylint: disable=protected-access
+  for model_name, (model, shape) in _problems(tiny).items():
     kx, ky, kp = jax.random.split(key, 3)
     x = jax.random.normal(kx, shape, jnp.float32)
     y = jax.random.normal(ky, shape[:-1] + (
-        1 if isinstance(model, train_step.MLP) else shape[-1],), jnp.float32)
+        1 if isinstance(model, MLP) else shape[-1],), jnp.float32)
     params0 = jax.tree.map(lambda a: a.astype(jnp.float32),
-                           model.init(kp, x.astype(train_step.COMPUTE)))
+                           model.init(kp, x.astype(COMPUTE)))
     res = {}
-    for name, (tx, step) in train_step._steps(model, x, y).items():  # pylint: disable=protected-access
+    for name, (tx, step) in _steps(model, x, y).items():
       params = jax.tree.map(jnp.copy, params0)
       compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
           params, tx.init(params)).compile()
@@ -109,7 +111,7 @@ def main(argv=None):
   configs = [(100_000, 10)] if args.tiny else [(10_000_000, 50),
                                                (100_000_000, 10)]
   for n_params, n_leaves in configs:
-    label = f"post-gradient {overhead._fmt_count(n_params)}/{n_leaves} adam"  # pylint: disable=protected-access
+    label = f"post-gradient {_fmt_count(n_params)}/{n_leaves} adam"
     results[label] = _post_gradient(n_params, n_leaves, steps)
   for model_name, res in _train_steps(args.tiny, steps).items():
     results[f"train step {model_name}"] = res

@@ -9,7 +9,8 @@ compiled HLO, `memory_analysis()` temp sizes and compile-time ratios.
 
   python benchmarks/overhead.py            # the default grid (a few minutes)
   python benchmarks/overhead.py --tiny     # seconds, for the smoke test
-  python benchmarks/overhead.py --params 10M --leaves 50 --opt adam --grad-dtype float32
+  python benchmarks/overhead.py --params 10M --leaves 50 --opt adam \\
+      --grad-dtype float32
   python benchmarks/overhead.py --full     # the whole product (long on CPU)
   python benchmarks/overhead.py --chained 10   # also steps back to back
 

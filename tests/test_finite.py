@@ -68,14 +68,15 @@ def test_the_concatenated_check_sees_every_group_of_leaves():
 
 
 def _lowered_text(platform: str) -> str:
-  tree = {"a": jnp.ones(8), "b": jnp.ones((2, 2)), "c": jnp.ones(3, jnp.float16)}
+  tree = {"a": jnp.ones(8), "b": jnp.ones((2, 2)),
+          "c": jnp.ones(3, jnp.float16)}
   exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
   return exported(tree).mlir_module()
 
 
 def test_the_formulation_is_chosen_when_lowering_for_a_platform():
   """No run-time branch: lowering for CPU keeps the per-leaf reductions,
-  lowering for GPU keeps the single reduction over the concatenation."""
+  lowering for GPU keeps one reduction per dtype over the concatenation."""
   cpu, cuda = _lowered_text("cpu"), _lowered_text("cuda")
   concatenated = "-> tensor<12xf32>"  # a and b, raveled, end to end
   assert concatenated not in cpu and cpu.count("stablehlo.is_finite") == 3
