@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -46,7 +47,35 @@ def _per_leaf(*leaves) -> jax.Array:
   # float max on CPU drops NaNs in large arrays, and the exact alternatives
   # measured (a max over bit patterns, NaN mapped to inf) made XLA
   # materialize a gradient-sized temporary in the optimizer step.
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.all(jnp.stack([_leaf_finite_cpu(x) for x in leaves]))
+
+
+# Leaves of at least this many elements are checked in one pass (below).
+# Measured on CPU: the one-pass form is 0.4-0.7x the time of the plain one
+# from here up; on 1,000 leaves of 1,000 elements it compiled and ran slower.
+_ONE_PASS_FROM = 2**14
+
+
+def _leaf_finite_cpu(x) -> jax.Array:
+  finite = jnp.isfinite(x)
+  if x.size < _ONE_PASS_FROM:
+    return jnp.all(finite)
+  # A reduction of two operands at once. XLA on CPU splits a one-operand
+  # reduction into a tree of reduce-windows and materializes `isfinite` (a
+  # byte per element) in front of it, through a transposing copy when the
+  # gradient is a transposed matmul output; it leaves a reduction of two
+  # operands whole, with `isfinite` fused in: one pass over the leaf, no
+  # temporary. The second operand (is any element not finite?) keeps the
+  # reduction variadic; both answers agree, and both are used so that XLA
+  # keeps both.
+  all_finite, any_not_finite = lax.reduce(
+      (finite, ~finite), (np.bool_(True), np.bool_(False)),
+      _and_or, tuple(range(x.ndim)))
+  return all_finite & ~any_not_finite
+
+
+def _and_or(a, b):
+  return a[0] & b[0], a[1] | b[1]
 
 
 # Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU

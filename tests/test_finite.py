@@ -124,8 +124,9 @@ def test_integer_and_empty_leaves_are_finite():
 def test_nan_in_a_large_leaf_is_found_wherever_it_is():
   # XLA's vectorized float max on CPU drops NaNs in large arrays (a NaN in a
   # 4099-element float32 leaf gave max 1.0); the check must not.
+  one_pass = _finite._ONE_PASS_FROM  # leaves from this size: one pass
   for dtype in DTYPES:
-    for size in (4096, 4099, 1_000_003):
+    for size in (4096, 4099, one_pass - 1, one_pass, 1_000_003):
       for position in (0, 7, size // 2, size - 1):
         for special in (np.nan, np.inf, -np.inf):
           leaf = jnp.ones(size, dtype).at[position].set(special)
@@ -134,6 +135,29 @@ def test_nan_in_a_large_leaf_is_found_wherever_it_is():
           assert not bool(_concatenated({"v": jnp.ones(5, dtype), "w": leaf,
                                          "x": jnp.ones(3, jnp.float32)})), (
               dtype, size, position, special)
+
+
+def test_transposed_and_multi_dimensional_leaves_are_checked_whole():
+  """A weight gradient is often a transposed matmul output; the check reads
+  it in any layout."""
+  rng = np.random.default_rng(0)
+  check = jax.jit(lambda a, b: ols.all_finite({"t": (a @ b).T, "m": a}))
+  a = jnp.asarray(rng.standard_normal((256, 300)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((300, 128)), jnp.float32)
+  assert bool(check(a, b))
+  for i, j in ((0, 0), (255, 299), (17, 123)):
+    for special in (np.nan, np.inf):
+      assert not bool(check(a.at[i, j].set(special), b)), (i, j, special)
+      assert not bool(check(a, b.at[j, i % 128].set(special))), (i, j, special)
+
+
+def test_a_large_leaf_is_checked_in_one_pass_on_cpu():
+  """No tree of reduce-windows and no byte-per-element temporary: the
+  compiled check of a large leaf is one fused reduction."""
+  leaf = jnp.ones((512, 512), jnp.float32)
+  compiled = jax.jit(ols.all_finite).lower({"w": leaf}).compile()
+  assert "reduce-window" not in compiled.as_text()
+  assert compiled.memory_analysis().temp_size_in_bytes < leaf.size // 100
 
 
 def test_nan_in_a_large_leaf_never_reaches_adam():
