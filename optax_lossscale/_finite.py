@@ -33,9 +33,10 @@ def all_finite(tree) -> jax.Array:
   if not leaves:
     return jnp.ones([], jnp.bool_)
   # Two formulations of one exact check, chosen when the step is lowered
-  # (no branch at run time): on CPU, one reduction per leaf; elsewhere, one
-  # reduction per group of leaves concatenated, which XLA fuses into one
-  # kernel per group instead of one or two per leaf. Measured with
+  # (no branch at run time): on CPU, one reduction per leaf (see
+  # `_leaf_finite_cpu`); elsewhere, one reduction per group of leaves
+  # concatenated, which XLA fuses into one kernel per group instead of one
+  # or two per leaf. Measured with
   # `jax.profiler` on an H100, the per-leaf check cost 100 kernel launches
   # for 50 leaves (about the device time of adam itself); on CPU, the
   # concatenation is materialized and runs 6-10x slower.
