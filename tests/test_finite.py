@@ -1,7 +1,8 @@
 """The finiteness check, equal to the element-wise definition ("every
 element of every unscaled leaf is finite") for every dtype, special value and
-scale, in both of its formulations: one reduction per leaf (CPU) and one
-reduction over the concatenated leaves (GPU and TPU)."""
+scale, in both of its formulations: one pass per large leaf and small leaves
+together (CPU), and one reduction over groups of concatenated leaves (GPU and
+TPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -68,17 +69,18 @@ def test_the_concatenated_check_sees_every_group_of_leaves():
 
 
 def _lowered_text(platform: str) -> str:
-  tree = {"a": jnp.ones(8), "b": jnp.ones((2, 2)),
+  # Two float32 leaves large enough to be checked one by one on CPU.
+  tree = {"a": jnp.ones(4096), "b": jnp.ones((64, 64)),
           "c": jnp.ones(3, jnp.float16)}
   exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
   return exported(tree).mlir_module()
 
 
 def test_the_formulation_is_chosen_when_lowering_for_a_platform():
-  """No run-time branch: lowering for CPU keeps the per-leaf reductions,
-  lowering for GPU keeps one reduction per dtype over the concatenation."""
+  """No run-time branch: lowering for CPU keeps one pass per large leaf,
+  lowering for GPU one reduction per dtype over the concatenation."""
   cpu, cuda = _lowered_text("cpu"), _lowered_text("cuda")
-  concatenated = "-> tensor<12xf32>"  # a and b, raveled, end to end
+  concatenated = "-> tensor<8192xf32>"  # a and b, raveled, end to end
   assert concatenated not in cpu and cpu.count("stablehlo.is_finite") == 3
   assert concatenated in cuda and cuda.count("stablehlo.is_finite") == 2
 
@@ -124,14 +126,17 @@ def test_integer_and_empty_leaves_are_finite():
 def test_nan_in_a_large_leaf_is_found_wherever_it_is():
   # XLA's vectorized float max on CPU drops NaNs in large arrays (a NaN in a
   # 4099-element float32 leaf gave max 1.0); the check must not.
-  one_pass = _finite._ONE_PASS_FROM  # leaves from this size: one pass
+  alone = _finite._CONCATENATE_BELOW  # smaller leaves are checked together
   for dtype in DTYPES:
-    for size in (4096, 4099, one_pass - 1, one_pass, 1_000_003):
+    for size in (alone - 1, alone, alone + 3, 1_000_003):
       for position in (0, 7, size // 2, size - 1):
         for special in (np.nan, np.inf, -np.inf):
           leaf = jnp.ones(size, dtype).at[position].set(special)
           assert not bool(jax.jit(ols.all_finite)({"w": leaf})), (
               dtype, size, position, special)
+          assert not bool(jax.jit(ols.all_finite)({
+              "v": jnp.ones(5, dtype), "w": leaf,
+              "x": jnp.ones(3, jnp.float32)})), (dtype, size, position, special)
           assert not bool(_concatenated({"v": jnp.ones(5, dtype), "w": leaf,
                                          "x": jnp.ones(3, jnp.float32)})), (
               dtype, size, position, special)
@@ -149,6 +154,22 @@ def test_transposed_and_multi_dimensional_leaves_are_checked_whole():
     for special in (np.nan, np.inf):
       assert not bool(check(a.at[i, j].set(special), b)), (i, j, special)
       assert not bool(check(a, b.at[j, i % 128].set(special))), (i, j, special)
+
+
+def test_many_small_leaves_are_checked_together_on_cpu():
+  """Small leaves are concatenated by dtype and checked in one pass; a
+  non-finite value in any of them counts."""
+  n = 300
+  tree = {f"l{i}": jnp.ones((i % 7 + 1, 3), (jnp.float32, jnp.float16)[i % 2])
+          for i in range(n)}
+  check = jax.jit(ols.all_finite)
+  assert bool(check(tree))
+  for i in (0, 1, n // 2, n - 1):
+    for special in (np.nan, np.inf, -np.inf):
+      bad = dict(tree, **{f"l{i}": tree[f"l{i}"].at[-1, -1].set(special)})
+      assert not bool(check(bad)), (i, special)
+  text = check.lower(tree).compile().as_text()
+  assert "reduce-window" not in text
 
 
 def test_a_large_leaf_is_checked_in_one_pass_on_cpu():
