@@ -43,10 +43,10 @@ def all_finite(tree) -> jax.Array:
 
 
 def _on_cpu(*leaves) -> jax.Array:
-  # `all(isfinite)`, not a max-reduction of magnitudes: XLA's vectorized
-  # float max on CPU drops NaNs in large arrays, and the exact alternatives
-  # measured (a max over bit patterns, NaN mapped to inf) made XLA
-  # materialize a gradient-sized temporary in the optimizer step.
+  # `isfinite` reduced with and/or, not a max-reduction of magnitudes: XLA's
+  # vectorized float max on CPU drops NaNs in large arrays, and the exact
+  # alternatives measured (a max over bit patterns, NaN mapped to inf) made
+  # XLA materialize a gradient-sized temporary in the optimizer step.
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
   flags = [_one_pass(x) for x in leaves if x.size >= _CONCATENATE_BELOW]
   for dtype in sorted({x.dtype for x in small}, key=str):
