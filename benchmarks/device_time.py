@@ -25,7 +25,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
     _fmt_count, _inner, _leaf_sizes, _make_params, _make_variant)
-from train_step import COMPUTE, MLP, _problems, _steps  # noqa: E402
+from train_step import _data, _problems, _steps  # noqa: E402
 
 # Profiler bookkeeping on the XLA CPU client's threads, not computation.
 _CPU_BOOKKEEPING = ("end: ", "ThreadpoolListener", "ThunkExecutor")
@@ -79,12 +79,7 @@ def _train_steps(tiny, steps):
   out = {}
   key = jax.random.PRNGKey(0)
   for model_name, (model, shape) in _problems(tiny).items():
-    kx, ky, kp = jax.random.split(key, 3)
-    x = jax.random.normal(kx, shape, jnp.float32)
-    y = jax.random.normal(ky, shape[:-1] + (
-        1 if isinstance(model, MLP) else shape[-1],), jnp.float32)
-    params0 = jax.tree.map(lambda a: a.astype(jnp.float32),
-                           model.init(kp, x.astype(COMPUTE)))
+    x, y, params0 = _data(model, shape, key)
     res = {}
     for name, (tx, step) in _steps(model, x, y).items():
       params = jax.tree.map(jnp.copy, params0)

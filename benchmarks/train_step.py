@@ -70,6 +70,16 @@ def _problems(tiny):
   }
 
 
+def _data(model, shape, key):
+  """Inputs, targets and float32 master params for one problem."""
+  kx, ky, kp = jax.random.split(key, 3)
+  x = jax.random.normal(kx, shape, jnp.float32)
+  y = jax.random.normal(ky, shape[:-1] + (
+      1 if isinstance(model, MLP) else shape[-1],), jnp.float32)
+  params = model.init(kp, x.astype(COMPUTE))
+  return x, y, jax.tree.map(lambda a: a.astype(jnp.float32), params)
+
+
 def _steps(model, x, y):
   """Returns {name: (tx, step)} with and without loss scaling."""
 
@@ -119,12 +129,8 @@ def main(argv=None):
   results = {}
   key = jax.random.PRNGKey(0)
   for name, (model, shape) in _problems(args.tiny).items():
-    kx, ky, kp = jax.random.split(jax.random.fold_in(key, len(results)), 3)
-    x = jax.random.normal(kx, shape, jnp.float32)
-    y = jax.random.normal(ky, shape[:-1] + (
-        1 if isinstance(model, MLP) else shape[-1],), jnp.float32)
-    params0 = model.init(kp, x.astype(COMPUTE))
-    params0 = jax.tree.map(lambda a: a.astype(jnp.float32), params0)
+    x, y, params0 = _data(model, shape,
+                          jax.random.fold_in(key, len(results)))
     n = sum(a.size for a in jax.tree.leaves(params0))
     variants = _steps(model, x, y)
     fns, states, times, compile_s = {}, {}, {}, {}

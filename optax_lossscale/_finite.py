@@ -49,10 +49,15 @@ def _on_cpu(*leaves) -> jax.Array:
   # XLA materialize a gradient-sized temporary in the optimizer step.
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
   flags = [_one_pass(x) for x in leaves if x.size >= _CONCATENATE_BELOW]
-  for dtype in sorted({x.dtype for x in small}, key=str):
-    flags.append(_one_pass(
-        jnp.concatenate([x.ravel() for x in small if x.dtype == dtype])))
+  flags += [_one_pass(jnp.concatenate(flat))
+            for flat in _raveled_by_dtype(small)]
   return jnp.all(jnp.stack(flags))
+
+
+def _raveled_by_dtype(leaves):
+  """The leaves raveled, one list per dtype (a concatenation needs one)."""
+  return [[x.ravel() for x in leaves if x.dtype == dtype]
+          for dtype in sorted({x.dtype for x in leaves}, key=str)]
 
 
 # Leaves under this many elements are checked together, concatenated (a
@@ -89,8 +94,7 @@ _LEAVES_PER_CONCATENATION = 64
 
 def _concatenated(*leaves) -> jax.Array:
   flags = []
-  for dtype in sorted({x.dtype for x in leaves}, key=str):
-    flat = [x.ravel() for x in leaves if x.dtype == dtype]
+  for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
       group = flat[start:start + _LEAVES_PER_CONCATENATION]
       flags.append(jnp.all(jnp.isfinite(jnp.concatenate(group))))
