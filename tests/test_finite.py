@@ -1,8 +1,10 @@
 """The finiteness check, equal to the element-wise definition ("every
 element of every unscaled leaf is finite") for every dtype, special value and
-scale, in both of its formulations: one pass per large leaf and small leaves
-together (CPU), and one reduction over groups of concatenated leaves (GPU and
-TPU)."""
+scale, in both of its formulations: large leaves of one shape read together
+and small leaves concatenated (CPU), and one reduction over groups of
+concatenated leaves (GPU and TPU)."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -68,20 +70,66 @@ def test_the_concatenated_check_sees_every_group_of_leaves():
     assert not bool(_concatenated(tree)), bad
 
 
+@st.composite
+def same_shape_leaves(draw):
+  """Up to five leaves of one shape and dtype, mixing numbers and specials."""
+  dtype = draw(st.sampled_from(DTYPES))
+  count = draw(st.integers(1, 5))
+  values = np.asarray(draw(st.lists(
+      st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
+      min_size=count * SIZE, max_size=count * SIZE)), np.float64)
+  with np.errstate(over="ignore"):
+    values = values.astype(np.float32).reshape(count, 2, SIZE // 2)
+    return [jnp.asarray(v, dtype) for v in values]
+
+
+_one_pass = jax.jit(_finite._one_pass)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(same_shape_leaves())
+def test_leaves_read_together_match_the_elementwise_definition(leaves):
+  """The CPU form sums `x * 0` over a group of leaves of one shape."""
+  assert bool(_one_pass(leaves)) == elementwise_finite(leaves)
+
+
+def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
+  """Leaves of one shape are read together, in groups of up to
+  `_ELEMENTS_PER_GROUP` elements and `_MAX_GROUP` leaves; a non-finite value
+  in any leaf of any group counts."""
+  check = jax.jit(ols.all_finite)
+  small = _finite._CONCATENATE_BELOW  # the smallest leaf not concatenated
+  per_group = _finite._ELEMENTS_PER_GROUP // 4
+  for size, count in ((small, 3), (small, _finite._MAX_GROUP + 1),
+                      (small, 2 * _finite._MAX_GROUP + 3), (per_group, 10)):
+    tree = [jnp.ones(size)] * count + [jnp.ones((3, 5), jnp.float16)]
+    assert bool(check(tree))
+    for bad in sorted({0, 1, count // 2, count - 2, count - 1}):
+      for special in (np.nan, np.inf, -np.inf):
+        broken = list(tree)
+        broken[bad] = tree[bad].at[size - 1 - bad].set(special)
+        assert not bool(check(broken)), (size, count, bad, special)
+
+
 def _lowered_text(platform: str) -> str:
-  # Two float32 leaves large enough to be checked one by one on CPU.
-  tree = {"a": jnp.ones(4096), "b": jnp.ones((64, 64)),
+  # Twenty float32 leaves of one shape and one of another, large enough not
+  # to be concatenated on CPU, and a small float16 leaf.
+  tree = {"a": [jnp.ones(4096)] * 20, "b": jnp.ones((64, 64)),
           "c": jnp.ones(3, jnp.float16)}
   exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
   return exported(tree).mlir_module()
 
 
 def test_the_formulation_is_chosen_when_lowering_for_a_platform():
-  """No run-time branch: lowering for CPU keeps one pass per large leaf,
-  lowering for GPU one reduction per dtype over the concatenation."""
+  """No run-time branch. Lowering for CPU reads the large leaves where they
+  are, one reduction per shape here (the twenty leaves of one shape in one
+  group, the other shape alone, the small leaf alone); lowering for GPU
+  concatenates every dtype's leaves."""
   cpu, cuda = _lowered_text("cpu"), _lowered_text("cuda")
-  concatenated = "-> tensor<8192xf32>"  # a and b, raveled, end to end
-  assert concatenated not in cpu and cpu.count("stablehlo.is_finite") == 3
+  concatenated = "-> tensor<86016xf32>"  # a and b, raveled, end to end
+  assert re.search(r"concatenate[^\n]*xf32>", cpu) is None
+  two_operand_reductions = re.findall(r"stablehlo\.reduce\([^)]*\), \(", cpu)
+  assert len(two_operand_reductions) == 3
   assert concatenated in cuda and cuda.count("stablehlo.is_finite") == 2
 
 
@@ -172,13 +220,31 @@ def test_many_small_leaves_are_checked_together_on_cpu():
   assert "reduce-window" not in text
 
 
-def test_a_large_leaf_is_checked_in_one_pass_on_cpu():
+def test_large_leaves_are_checked_in_one_pass_on_cpu():
   """No tree of reduce-windows and no byte-per-element temporary: the
-  compiled check of a large leaf is one fused reduction."""
-  leaf = jnp.ones((512, 512), jnp.float32)
-  compiled = jax.jit(ols.all_finite).lower({"w": leaf}).compile()
-  assert "reduce-window" not in compiled.as_text()
-  assert compiled.memory_analysis().temp_size_in_bytes < leaf.size // 100
+  compiled check of a large leaf, or of a group of leaves of one shape, is
+  one fused reduction."""
+  for tree in ({"w": jnp.ones((512, 512), jnp.float32)},
+               {"g": [jnp.ones((256, 256), jnp.float16)] * 8}):
+    compiled = jax.jit(ols.all_finite).lower(tree).compile()
+    assert "reduce-window" not in compiled.as_text()
+    size = sum(x.size for x in jax.tree.leaves(tree))
+    assert compiled.memory_analysis().temp_size_in_bytes < size // 100
+
+
+def test_large_leaves_without_an_exponent_mask_are_checked_alone():
+  """Complex leaves are checked part by part; they are never grouped."""
+  size = _finite._CONCATENATE_BELOW
+  tree = [jnp.ones(size, jnp.complex64)] * 3 + [jnp.ones(size)] * 3
+  check = jax.jit(ols.all_finite)
+  assert bool(check(tree))
+  for bad in range(6):
+    specials = (np.nan, np.inf) + ((1j * np.inf, 1 + 1j * np.nan)
+                                   if bad < 3 else ())
+    for special in specials:
+      broken = list(tree)
+      broken[bad] = tree[bad].at[bad].set(special)
+      assert not bool(check(broken)), (bad, special)
 
 
 def test_nan_in_a_large_leaf_never_reaches_adam():
@@ -218,3 +284,14 @@ def test_a_scale_set_below_one_under_a_floor_of_one_is_skipped_once():
   assert float(ols.loss_scale(state)) == 1.0  # backed off to min_scale
   _, state = update(grads, state, params)
   assert bool(ols.skip_stats(state).last_finite)
+
+
+def test_float64_leaves_are_checked_by_their_own_exponent():
+  """1e300 is finite in float64 (its exponent is not all ones)."""
+  with jax.enable_x64(True):
+    size = _finite._CONCATENATE_BELOW
+    tree = [jnp.ones(size, jnp.float64).at[1].set(1e300)] * 3
+    check = jax.jit(ols.all_finite)
+    assert bool(check(tree))
+    for special in (np.nan, np.inf, -np.inf):
+      assert not bool(check(tree[:2] + [tree[2].at[size - 1].set(special)]))
