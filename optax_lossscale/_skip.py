@@ -28,10 +28,12 @@ one, a value that fills two state slots, a literal), that leaf falls back to
 the select at the end, which is always exact.
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as jex_core
 
 
@@ -49,17 +51,35 @@ def keep_unless(finite: jax.Array, new, old):
 
 def zero_unless(finite: jax.Array, updates):
   """`updates` where `finite`, else zeros of the same dtypes."""
+  zeros = functools.cache(jnp.zeros)  # one per shape and dtype, not per leaf
   return jax.tree.map(
-      lambda u: jnp.where(finite, u, jnp.zeros_like(u, shape=())), updates
+      lambda u: _select(finite, u, zeros(jnp.shape(u), jnp.result_type(u))),
+      updates,
   )
 
 
 def _select(finite, n, o):
+  if _same_array_type(n, o):
+    # What `jnp.where` computes, bound as one primitive: a step selects
+    # every leaf of its state and updates, and `jnp.where` traces a call of
+    # its own for each (a third of the tracing time of an sgd step at 1,000
+    # leaves).
+    return lax.select(finite, n, o)
   if jax.dtypes.issubdtype(jnp.result_type(o), jax.dtypes.extended):
     # Typed PRNG keys (optax.noisy_sgd's state): no `astype`, and `where`
     # keeps their dtype.
     return jnp.where(finite, n, o)
   return jnp.where(finite, n, o).astype(jnp.result_type(o))
+
+
+def _same_array_type(n, o) -> bool:
+  """Whether `n` and `o` are arrays of one type (shape, strong dtype, and
+  sharding): `lax.select` then needs no promotion or broadcast."""
+  if not (isinstance(n, jax.Array) and isinstance(o, jax.Array)):
+    return False
+  n_type, o_type = jax.typeof(n), jax.typeof(o)
+  return (n_type == o_type and not o_type.weak_type
+          and not jax.dtypes.issubdtype(o_type.dtype, jax.dtypes.extended))
 
 
 def update_unless(

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optax_lossscale import _config, _finite, _rule, _skip
 from optax_lossscale._state import LossScaleState, init_loss_scale_state
@@ -121,9 +122,34 @@ def unscale(updates, loss_scale: jax.Array, params=None):
   the small values the scale protected, so with float32 master params the
   unscaled gradient is float32. Without params, each leaf keeps its dtype.
   """
+  divisors = _Divisors(loss_scale)
   return jax.tree.map(
-      lambda g, dtype: _unscale_leaf(g, dtype, loss_scale),
+      lambda g, dtype: _unscale_leaf(g, dtype, divisors),
       updates, _unscaled_dtypes(updates, params), is_leaf=_is_none)
+
+
+class _Divisors:
+  """The scale as each compute dtype divides by it, made once per dtype
+  rather than once per leaf (a step has hundreds of leaves to trace)."""
+
+  def __init__(self, loss_scale: jax.Array):
+    self._loss_scale = jnp.asarray(loss_scale)
+    self.scale_dtype = self._loss_scale.dtype
+    self._made = {}
+
+  def __call__(self, compute_dtype):
+    """Returns `(half, scale * half)` in `compute_dtype`: `g / scale` is
+    computed as `(g * half) / (scale * half)`."""
+    if compute_dtype not in self._made:
+      s = self._loss_scale.astype(compute_dtype)
+      # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
+      # subnormal and XLA flushes it to zero. XLA's own division on CPU goes
+      # through the reciprocal too, so such a scale is halved on both sides
+      # first; `g / 2` only rounds where g is subnormal, and then the
+      # quotient underflows anyway.
+      half = jnp.where(s > 2.0**126, 0.5, 1.0).astype(compute_dtype)
+      self._made[compute_dtype] = (half, s * half)
+    return self._made[compute_dtype]
 
 
 def _is_none(x) -> bool:
@@ -160,7 +186,7 @@ def check_same_structure(updates, params) -> None:
     )
 
 
-def _unscale_leaf(g, out_dtype, loss_scale):
+def _unscale_leaf(g, out_dtype, divisors: _Divisors):
   if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
@@ -168,18 +194,16 @@ def _unscale_leaf(g, out_dtype, loss_scale):
     # can overflow in its intermediate products.
     real_dtype = jnp.finfo(out_dtype).dtype
     return jax.lax.complex(
-        _unscale_leaf(jnp.real(g), real_dtype, loss_scale),
-        _unscale_leaf(jnp.imag(g), real_dtype, loss_scale),
+        _unscale_leaf(jnp.real(g), real_dtype, divisors),
+        _unscale_leaf(jnp.imag(g), real_dtype, divisors),
     ).astype(out_dtype)
-  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
-  g, s = g.astype(compute_dtype), loss_scale.astype(compute_dtype)
-  # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
-  # subnormal and XLA flushes it to zero. XLA's own division on CPU goes
-  # through the reciprocal too, so such a scale is halved on both sides
-  # first; `g / 2` only rounds where g is subnormal, and then the quotient
-  # underflows anyway.
-  half = jnp.where(s > 2.0**126, 0.5, 1.0).astype(compute_dtype)
-  return ((g * half) / (s * half)).astype(out_dtype)
+  compute_dtype = jnp.promote_types(out_dtype, divisors.scale_dtype)
+  half, divisor = divisors(compute_dtype)
+  # `lax` directly, not `jnp` operators: each of those traces a call of its
+  # own, and a step unscales every leaf.
+  g = lax.convert_element_type(g, compute_dtype)
+  quotient = lax.div(lax.mul(g, half), divisor)  # scalars broadcast
+  return lax.convert_element_type(quotient, out_dtype)
 
 
 def check_scalar_state(state: LossScaleState) -> None:
