@@ -138,8 +138,8 @@ class _Divisors:
     self._made = {}
 
   def __call__(self, compute_dtype):
-    """Returns `(half, scale * half)` in `compute_dtype`: `g / scale` is
-    computed as `(g * half) / (scale * half)`."""
+    """Returns `(half, scale)` in `compute_dtype`: `g / scale` is computed
+    as `(g * half) / (scale * half)`."""
     if compute_dtype not in self._made:
       s = self._loss_scale.astype(compute_dtype)
       # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
@@ -148,7 +148,7 @@ class _Divisors:
       # first; `g / 2` only rounds where g is subnormal, and then the
       # quotient underflows anyway.
       half = jnp.where(s > 2.0**126, 0.5, 1.0).astype(compute_dtype)
-      self._made[compute_dtype] = (half, s * half)
+      self._made[compute_dtype] = (half, s)
     return self._made[compute_dtype]
 
 
@@ -198,11 +198,13 @@ def _unscale_leaf(g, out_dtype, divisors: _Divisors):
         _unscale_leaf(jnp.imag(g), real_dtype, divisors),
     ).astype(out_dtype)
   compute_dtype = jnp.promote_types(out_dtype, divisors.scale_dtype)
-  half, divisor = divisors(compute_dtype)
+  half, scale = divisors(compute_dtype)
   # `lax` directly, not `jnp` operators: each of those traces a call of its
-  # own, and a step unscales every leaf.
+  # own, and a step unscales every leaf. `scale * half` stays per leaf: made
+  # once and shared, XLA kept an element-wise divide, did not fuse it into
+  # the inner update, and materialized every unscaled gradient.
   g = lax.convert_element_type(g, compute_dtype)
-  quotient = lax.div(lax.mul(g, half), divisor)  # scalars broadcast
+  quotient = lax.div(lax.mul(g, half), lax.mul(scale, half))
   return lax.convert_element_type(quotient, out_dtype)
 
 
