@@ -122,15 +122,15 @@ def unscale(updates, loss_scale: jax.Array, params=None):
   the small values the scale protected, so with float32 master params the
   unscaled gradient is float32. Without params, each leaf keeps its dtype.
   """
-  divisors = _Divisors(loss_scale)
+  scales = _ScaleByDtype(loss_scale)
   return jax.tree.map(
-      lambda g, dtype: _unscale_leaf(g, dtype, divisors),
+      lambda g, dtype: _unscale_leaf(g, dtype, scales),
       updates, _unscaled_dtypes(updates, params), is_leaf=_is_none)
 
 
-class _Divisors:
-  """The scale as each compute dtype divides by it, made once per dtype
-  rather than once per leaf (a step has hundreds of leaves to trace)."""
+class _ScaleByDtype:
+  """The scale and its halving factor in each compute dtype, made once per
+  dtype rather than once per leaf (a step has hundreds of leaves to trace)."""
 
   def __init__(self, loss_scale: jax.Array):
     self._loss_scale = jnp.asarray(loss_scale)
@@ -186,7 +186,7 @@ def check_same_structure(updates, params) -> None:
     )
 
 
-def _unscale_leaf(g, out_dtype, divisors: _Divisors):
+def _unscale_leaf(g, out_dtype, scales: _ScaleByDtype):
   if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
@@ -194,11 +194,11 @@ def _unscale_leaf(g, out_dtype, divisors: _Divisors):
     # can overflow in its intermediate products.
     real_dtype = jnp.finfo(out_dtype).dtype
     return jax.lax.complex(
-        _unscale_leaf(jnp.real(g), real_dtype, divisors),
-        _unscale_leaf(jnp.imag(g), real_dtype, divisors),
+        _unscale_leaf(jnp.real(g), real_dtype, scales),
+        _unscale_leaf(jnp.imag(g), real_dtype, scales),
     ).astype(out_dtype)
-  compute_dtype = jnp.promote_types(out_dtype, divisors.scale_dtype)
-  half, scale = divisors(compute_dtype)
+  compute_dtype = jnp.promote_types(out_dtype, scales.scale_dtype)
+  half, scale = scales(compute_dtype)
   # `lax` directly, not `jnp` operators: each of those traces a call of its
   # own, and a step unscales every leaf. `scale * half` stays per leaf: made
   # once and shared, XLA kept an element-wise divide, did not fuse it into
