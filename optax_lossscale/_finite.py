@@ -118,8 +118,8 @@ def _one_pass(leaves) -> jax.Array:
     # vectorized float max on CPU drops NaNs in large arrays).
     exponent = _exponent(leaves[0], mask)
     for x in leaves[1:]:
-      exponent = jnp.maximum(exponent, _exponent(x, mask))
-    finite = exponent != mask
+      exponent = lax.max(exponent, _exponent(x, mask))
+    finite = lax.ne(exponent, mask)  # scalars broadcast
   # A reduction of two operands at once. XLA on CPU splits a one-operand
   # reduction into a tree of reduce-windows and materializes its input (a
   # byte per element) in front of it, through a transposing copy when the
@@ -135,7 +135,7 @@ def _one_pass(leaves) -> jax.Array:
 
 
 def _exponent(x, mask):
-  return lax.bitcast_convert_type(x, mask.dtype) & mask
+  return lax.bitwise_and(lax.bitcast_convert_type(x, mask.dtype), mask)
 
 
 def _and_or(a, b):
