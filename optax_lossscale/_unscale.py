@@ -1,5 +1,7 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -122,34 +124,27 @@ def unscale(updates, loss_scale: jax.Array, params=None):
   the small values the scale protected, so with float32 master params the
   unscaled gradient is float32. Without params, each leaf keeps its dtype.
   """
-  scales = _ScaleByDtype(loss_scale)
+  loss_scale = jnp.asarray(loss_scale)
+  # Once per dtype, not per leaf: a step has hundreds of leaves to trace.
+  scale_for = functools.cache(functools.partial(_scale_for, loss_scale))
   return jax.tree.map(
-      lambda g, dtype: _unscale_leaf(g, dtype, scales),
+      lambda g, dtype: _unscale_leaf(g, dtype, scale_for),
       updates, _unscaled_dtypes(updates, params), is_leaf=_is_none)
 
 
-class _ScaleByDtype:
-  """The scale and its halving factor in each compute dtype, made once per
-  dtype rather than once per leaf (a step has hundreds of leaves to trace)."""
-
-  def __init__(self, loss_scale: jax.Array):
-    self._loss_scale = jnp.asarray(loss_scale)
-    self.scale_dtype = self._loss_scale.dtype
-    self._made = {}
-
-  def __call__(self, compute_dtype):
-    """Returns `(half, scale)` in `compute_dtype`: `g / scale` is computed
-    as `(g * half) / (scale * half)`."""
-    if compute_dtype not in self._made:
-      s = self._loss_scale.astype(compute_dtype)
-      # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
-      # subnormal and XLA flushes it to zero. XLA's own division on CPU goes
-      # through the reciprocal too, so such a scale is halved on both sides
-      # first; `g / 2` only rounds where g is subnormal, and then the
-      # quotient underflows anyway.
-      half = jnp.where(s > 2.0**126, 0.5, 1.0).astype(compute_dtype)
-      self._made[compute_dtype] = (half, s)
-    return self._made[compute_dtype]
+def _scale_for(loss_scale: jax.Array, out_dtype):
+  """`(compute_dtype, half, scale)` for a leaf unscaled into `out_dtype`:
+  `g / scale` is computed as `(g * half) / (scale * half)` in
+  `compute_dtype`, the wider of `out_dtype` and the scale's."""
+  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
+  scale = loss_scale.astype(compute_dtype)
+  # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
+  # subnormal and XLA flushes it to zero. XLA's own division on CPU goes
+  # through the reciprocal too, so such a scale is halved on both sides
+  # first; `g / 2` only rounds where g is subnormal, and then the quotient
+  # underflows anyway.
+  half = jnp.where(scale > 2.0**126, 0.5, 1.0).astype(compute_dtype)
+  return compute_dtype, half, scale
 
 
 def _is_none(x) -> bool:
@@ -186,7 +181,7 @@ def check_same_structure(updates, params) -> None:
     )
 
 
-def _unscale_leaf(g, out_dtype, scales: _ScaleByDtype):
+def _unscale_leaf(g, out_dtype, scale_for):
   if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
@@ -194,11 +189,10 @@ def _unscale_leaf(g, out_dtype, scales: _ScaleByDtype):
     # can overflow in its intermediate products.
     real_dtype = jnp.finfo(out_dtype).dtype
     return jax.lax.complex(
-        _unscale_leaf(jnp.real(g), real_dtype, scales),
-        _unscale_leaf(jnp.imag(g), real_dtype, scales),
+        _unscale_leaf(jnp.real(g), real_dtype, scale_for),
+        _unscale_leaf(jnp.imag(g), real_dtype, scale_for),
     ).astype(out_dtype)
-  compute_dtype = jnp.promote_types(out_dtype, scales.scale_dtype)
-  half, scale = scales(compute_dtype)
+  compute_dtype, half, scale = scale_for(out_dtype)
   # `lax` directly, not `jnp` operators: each of those traces a call of its
   # own, and a step unscales every leaf. `scale * half` stays per leaf: made
   # once and shared, XLA kept an element-wise divide, did not fuse it into
