@@ -13,3 +13,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # Worker scripts run in subprocesses; `--doctest-modules` must not import them.
 collect_ignore_glob = ["_*_worker.py"]
+
+
+def pytest_configure(config):
+  # equinox 0.13.0, the newest that installs with the oldest supported jax
+  # (.ci/oldest.txt), reads a name that jax 0.7.1 deprecates, at import.
+  config.addinivalue_line(
+      "filterwarnings",
+      "ignore:jax.interpreters.batching.NotMapped is deprecated"
+      ":DeprecationWarning:equinox",
+  )

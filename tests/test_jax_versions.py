@@ -1,0 +1,94 @@
+"""The declared jax range, and the skip's jaxpr rewrite on the running jax.
+
+`.ci/run` runs the suite twice: on the newest jax and on the oldest one that
+`pyproject.toml` declares (pinned by `.ci/oldest.txt`). On both, the rewrite
+in `_skip.update_unless` must run: its fallback (the plain select after the
+update) is exact but copies every donated state buffer, and until it warns it
+does so silently (jax 0.7's `jax.extend.core` has no `DropVar`, for one).
+"""
+
+import importlib
+import pathlib
+import re
+import tomllib
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import optax_lossscale as ols
+from optax_lossscale import _skip
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _jax_requirement() -> Requirement:
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  (jax_req,) = [r for r in map(Requirement, project["dependencies"])
+                if r.name == "jax"]
+  return jax_req
+
+
+def test_the_running_jax_is_in_the_declared_range():
+  assert Version(jax.__version__) in _jax_requirement().specifier, (
+      f"jax {jax.__version__} is outside pyproject.toml's "
+      f"{_jax_requirement()}")
+
+
+def test_the_oldest_ci_pin_is_the_declared_floor():
+  pins = dict(
+      re.match(r"^([A-Za-z0-9_.-]+)==(\S+)$", line).groups()
+      for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+      if line.strip() and not line.startswith("#"))
+  floors = [s.version for s in _jax_requirement().specifier
+            if s.operator == ">="]
+  assert floors == [pins["jax"]]
+  assert pins["jaxlib"] == pins["jax"]
+
+
+@pytest.mark.parametrize("module", [
+    "chex", "equinox", "flax.linen", "flax.nnx", "flax.training.train_state",
+    "jmp", "orbax.checkpoint"])
+def test_the_test_extras_import_on_this_jax(module):
+  # Under the suite's filterwarnings = error: a deprecation raised at import
+  # by an extra pinned for the oldest jax fails here, not in a later test.
+  importlib.import_module(module)
+
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+          "b": jnp.linspace(0.5, 1.0, 4)}
+GRADS = {"w": jnp.linspace(0.3, -0.2, 12).reshape(3, 4),
+         "b": jnp.full(4, 0.25)}
+
+INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1),
+                                          optax.adam(1e-2)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INNERS))
+def test_the_rewrite_runs_on_this_jax(name, monkeypatch):
+  """Under jit the skip never takes the plain select after the update."""
+
+  def fallback(*args, **kwargs):
+    raise AssertionError(
+        f"update_unless fell back to the plain select on jax "
+        f"{jax.__version__}")
+
+  monkeypatch.setattr(_skip, "_select_after", fallback)
+  tx = ols.loss_scale_optimizer(INNERS[name]())
+  state = tx.init(PARAMS)
+  update = jax.jit(tx.update)
+  nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), GRADS)
+  for grads in (GRADS, nan, GRADS):
+    _, state = update(grads, state, PARAMS)
+  assert int(ols.skip_stats(state).total_skipped) == 1
