@@ -89,13 +89,24 @@ def set_mesh(mesh):
   return jax.sharding.use_mesh(mesh)
 
 
+def devices():
+  """8 devices of the default backend, else 8 CPU devices (one GPU)."""
+  for backend in (None, "cpu"):
+    found = jax.devices(backend)
+    if len(found) >= N_DEVICES:
+      return found[:N_DEVICES]
+  raise SystemExit(f"needs {N_DEVICES} devices, found {jax.device_count()}:"
+                   " start it in a fresh process")
+
+
 def make_mesh(mesh_type: str, layout: str):
   axis_type = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[
       mesh_type]
   if layout == "fsdp":
-    return jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
+    return jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,),
+                         devices=devices())
   return jax.make_mesh((2, N_DEVICES // 2), ("data", "model"),
-                       axis_types=(axis_type, axis_type))
+                       axis_types=(axis_type, axis_type), devices=devices())
 
 
 def leaf_specs(layout: str, n_leaves: int):
@@ -141,11 +152,13 @@ def _shardings_kept(recipe, out, plain_out):
 
 def _first_line(e: Exception) -> str:
   text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+  text = re.sub(r"AbstractMesh\((?:[^()]|\([^()]*\))*\)",
+                "AbstractMesh(...)", text[0] if text else "")
+  return f"{type(e).__name__}: {text}"[:200]
 
 
 def run_case(mesh_type, layout, opt, size, n_leaves, recipes, rounds,
-             compile_repeats):
+             compile_repeats, grad_dtype="float32"):
   """One mesh, layout and optimizer; returns {recipe: result dict}."""
   mesh = make_mesh(mesh_type, layout)
   specs = leaf_specs(layout, n_leaves)
@@ -159,18 +172,13 @@ def run_case(mesh_type, layout, opt, size, n_leaves, recipes, rounds,
         init, step = overhead._make_variant(  # pylint: disable=protected-access
             recipe, inner)
 
-        def fresh():
-          params = {k: jax.device_put(
-              np.full((size, size), 0.01, np.float32),
-              NamedSharding(mesh, spec)) for k, spec in specs.items()}
-          shape = jax.eval_shape(init, params)
-          state = jax.jit(init, out_shardings=_state_shardings(
-              shape, specs, mesh))(params)
-          return params, state
-
-        params, state = fresh()
+        params = {k: jax.device_put(
+            np.full((size, size), 0.01, np.float32),
+            NamedSharding(mesh, spec)) for k, spec in specs.items()}
+        state = jax.jit(init, out_shardings=_state_shardings(
+            jax.eval_shape(init, params), specs, mesh))(params)
         grads = {k: jax.device_put(
-            np.full((size, size), 0.5, np.float32),
+            np.full((size, size), 0.5, grad_dtype),
             NamedSharding(mesh, spec)) for k, spec in specs.items()}
         compiled, compile_s = overhead.best_compile(
             step, (params, state, grads), compile_repeats)
@@ -235,6 +243,8 @@ def main(argv=None):
   p.add_argument("--layout", nargs="+", choices=LAYOUTS,
                  default=list(LAYOUTS))
   p.add_argument("--opt", nargs="+", choices=OPTS, default=list(OPTS))
+  p.add_argument("--grad-dtype", choices=("float32", "float16"),
+                 default="float32", help="params are float32")
   p.add_argument("--recipes", nargs="+", choices=RECIPES,
                  default=list(RECIPES))
   p.add_argument("--rounds", type=int, default=None,
@@ -249,14 +259,12 @@ def main(argv=None):
   recipes = list(args.recipes)
   if "plain" not in recipes:
     recipes.insert(0, "plain")
-  if jax.device_count() < N_DEVICES:
-    raise SystemExit(f"needs {N_DEVICES} devices, found"
-                     f" {jax.device_count()}: start it in a fresh process")
-
-  print(f"device: {N_DEVICES} x {jax.devices()[0].device_kind}"
-        f" ({jax.default_backend()}), jax {jax.__version__},"
+  device = devices()[0]
+  print(f"device: {N_DEVICES} x {device.device_kind}"
+        f" ({device.platform}), jax {jax.__version__},"
         f" optax {optax.__version__}; {args.leaves} leaves of"
-        f" {size}x{size} float32, {rounds} interleaved rounds")
+        f" {size}x{size} float32, {args.grad_dtype} gradients,"
+        f" {rounds} interleaved rounds")
   print("time, compile: ratios to plain; collectives in the compiled HLO"
         " (ag all-gather, ar all-reduce, a2a all-to-all, cp"
         " collective-permute, rs reduce-scatter), wide: non-scalar"
@@ -270,7 +278,7 @@ def main(argv=None):
     for layout in args.layout:
       for opt in args.opt:
         res = run_case(mesh_type, layout, opt, size, args.leaves, recipes,
-                       rounds, repeats)
+                       rounds, repeats, args.grad_dtype)
         for recipe in recipes:
           r = res[recipe]
           head = f"{mesh_type:<8} {layout:<6} {opt:<4} {recipe:<6}"
@@ -285,7 +293,8 @@ def main(argv=None):
                   f" {_fmt_collectives(r['collectives']):<22}"
                   f" {r['wide_all_reduces']:4d}"
                   f" {r['temp_bytes'] / 1e3:8.1f} {shard}", flush=True)
-          all_results.append(dict(size=size, leaves=args.leaves, **r))
+          all_results.append(dict(size=size, leaves=args.leaves,
+                                  grad_dtype=args.grad_dtype, **r))
   return all_results
 
 
