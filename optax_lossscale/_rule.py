@@ -36,8 +36,20 @@ def next_state(
       counter=counter,
       notfinite_count=notfinite_count,
       total_notfinite=total_notfinite,
-      last_finite=finite,
+      last_finite=_reading(state.last_finite, finite),
   )
+
+
+def _reading(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
+  """`finite`, computed so that it reads `old_flag`.
+
+  `jit` drops an input that the step never reads, and a donated state leaf
+  that is dropped cannot lend its buffer to its successor: that output then
+  gets a fresh buffer every step. On GPU a fresh address makes XLA update its
+  command buffer (CUDA graph) on every call, which doubled the wall-clock of
+  a small step (benchmarks/README.md). XLA folds the extra logic away.
+  """
+  return finite & (old_flag | finite)
 
 
 def _dynamic_scale_and_counter(state, finite, notfinite_count, config):

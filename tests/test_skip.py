@@ -172,3 +172,34 @@ def test_typed_prng_keys_in_the_inner_state():
     _, new_state = update(jnp.ones(3), state, params)
     assert new_state.inner_state[0].rng_key.dtype == \
         state.inner_state[0].rng_key.dtype
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax.adam(1e-3),
+    lambda: ols.loss_scale_optimizer(optax.adam(1e-3)),
+    lambda: ols.loss_scale_optimizer(optax.sgd(1e-3, momentum=0.9)),
+    lambda: ols.loss_scale_optimizer(optax.sgd(1e-3), dynamic=False,
+                                     initial_scale=8.0),
+], ids=["plain_adam", "adam", "sgd_momentum", "static_sgd"])
+def test_every_output_is_written_into_a_donated_buffer(make_tx):
+  # An output with no donated input to reuse gets a fresh buffer every
+  # step; on GPU a fresh address makes XLA update its command buffer on
+  # every call (twice the plain step's wall-clock at 10M params in 50
+  # leaves on an H100). Every state leaf must therefore be read by the step.
+  tx = make_tx()
+  params = [jnp.full((256,), 0.01) for _ in range(3)]
+  grads = [jnp.full((256,), 0.5) for _ in range(3)]
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  state = tx.init(params)
+  params, state = step(params, state, grads)  # outputs of a jitted step
+  donated = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(
+      (params, state))}
+  outputs = jax.tree.leaves(step(params, state, grads))
+  fresh = [x.shape for x in outputs
+           if x.unsafe_buffer_pointer() not in donated]
+  assert fresh == []
