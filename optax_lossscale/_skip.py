@@ -28,13 +28,32 @@ one, a value that fills two state slots, a literal), that leaf falls back to
 the select at the end, which is always exact.
 """
 
+import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
+
+try:  # name stacks and tracebacks of re-bound equations, for profiles
+  from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover - the rewrite runs without them
+  _source_info = None
+
+
+def _drop_var_type():
+  # Public in `jax.extend.core` only in newer jax.
+  for module in (jex_core, jax.core):
+    if hasattr(module, "DropVar"):
+      return module.DropVar
+  from jax._src import core as src_core  # older jax
+  return src_core.DropVar
+
+
+_DropVar = _drop_var_type()
 
 
 def keep_unless(finite: jax.Array, new, old):
@@ -50,36 +69,48 @@ def keep_unless(finite: jax.Array, new, old):
 
 
 def zero_unless(finite: jax.Array, updates):
-  """`updates` where `finite`, else zeros of the same dtypes."""
-  zeros = functools.cache(jnp.zeros)  # one per shape and dtype, not per leaf
+  """`updates` where `finite`, else zeros of the same types."""
+  zeros = functools.cache(_zeros)  # one per type, not per leaf
   return jax.tree.map(
-      lambda u: _select(finite, u, zeros(jnp.shape(u), jnp.result_type(u))),
-      updates,
-  )
+      lambda u: _select(finite, u, zeros(jax.typeof(u))), updates)
+
+
+def _zeros(aval) -> jax.Array:
+  """Zeros of `aval`'s shape and dtype, sharded as it is on an `Explicit`
+  mesh (a select needs both cases sharded alike); elsewhere XLA places
+  them."""
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  types = getattr(mesh, "axis_types", None) or ()
+  if types and any(getattr(t, "name", "") == "Explicit" for t in types):
+    return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding)
+  return jnp.zeros(aval.shape, aval.dtype)
 
 
 def _select(finite, n, o):
   if _same_array_type(n, o):
     # What `jnp.where` computes, bound directly: a step selects every leaf
     # of its state and updates, and `jnp.where` traces a call of its own for
-    # each (a third of the tracing time of an sgd step at 1,000 leaves). The
-    # flag is broadcast as `jnp.where` broadcasts it: XLA gets the same
-    # select.
-    return lax.select(lax.broadcast_in_dim(finite, jnp.shape(o), ()), n, o)
+    # each. The flag stays a scalar (a select allows that), so it needs no
+    # broadcast and no sharding of its own.
+    return lax.select_n(finite, o, n)
+  selected = jnp.where(finite, n, o)
   if jax.dtypes.issubdtype(jnp.result_type(o), jax.dtypes.extended):
     # Typed PRNG keys (optax.noisy_sgd's state): no `astype`, and `where`
     # keeps their dtype.
-    return jnp.where(finite, n, o)
-  return jnp.where(finite, n, o).astype(jnp.result_type(o))
+    return selected
+  if jax.typeof(selected) == jax.typeof(o):
+    return selected  # a weakly typed leaf stays weak: no retrace
+  return selected.astype(jnp.result_type(o))
 
 
 def _same_array_type(n, o) -> bool:
-  """Whether `n` and `o` are arrays of one type (shape, strong dtype, and
-  sharding): `lax.select` then needs no promotion or broadcast."""
+  """Whether `n` and `o` are arrays of one type (shape, dtype, weak type and
+  sharding): `lax.select_n` then needs no promotion or broadcast."""
   if not (isinstance(n, jax.Array) and isinstance(o, jax.Array)):
     return False
   n_type, o_type = jax.typeof(n), jax.typeof(o)
-  return (n_type == o_type and not o_type.weak_type
+  return (n_type == o_type
           and not jax.dtypes.issubdtype(o_type.dtype, jax.dtypes.extended))
 
 
@@ -117,8 +148,7 @@ def update_unless(
   update_slots = jax.tree.leaves(updates_shape)
   state_slots = jax.tree.leaves(new_state_shape)
   if jax.tree.structure(new_state_shape) != state_def:
-    # The inner state changed structure: `keep_unless` raises the usual error.
-    return _select_after(finite, update, old_state)
+    raise _structure_changed(old_state, new_state_shape)
 
   jaxpr = closed.jaxpr
   # Which jaxpr outputs are state leaves, and which old value each keeps.
@@ -142,11 +172,12 @@ def update_unless(
 
   try:
     outs = _eval(jaxpr, closed.consts, old_leaves, finite, select_at)
-  except Exception:  # pylint: disable=broad-except
+  except Exception as e:  # pylint: disable=broad-except
     # A primitive that cannot be re-bound from its jaxpr equation (none in
-    # optax is known): the plain select is always exact. Errors of the inner
-    # update itself were raised by `make_jaxpr` above, not hidden here. The
-    # price of the fallback: the inner update is traced once more.
+    # optax is known): the plain select is always exact, but slower, so it
+    # is said once. Errors of the inner update itself were raised by
+    # `make_jaxpr` above, not hidden here.
+    _warn_fallback(e)
     return _select_after(finite, update, old_state)
   updates = [outs[i] for i in update_slots]
   new_leaves = []
@@ -166,7 +197,41 @@ def update_unless(
 def _select_after(finite, update, old_state):
   """The plain skip: run `update`, then select; always exact."""
   updates, new_state = update(old_state)
+  if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+    raise _structure_changed(old_state, new_state)
   return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
+
+
+def _structure_changed(old_state, new_state) -> ValueError:
+  """The error for an inner update whose state changes structure."""
+  old_paths = {jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(old_state)[0]}
+  new_paths = {jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(new_state)[0]}
+  differing = sorted(old_paths ^ new_paths)[:3] or ["(the node types)"]
+  return ValueError(
+      "The inner transformation's `update` returned a state whose structure"
+      " differs from the state it was given, at inner_state"
+      f" {', inner_state'.join(differing)}. A skipped step keeps the old"
+      " state, so the state must keep one structure from `init` on (for"
+      " example, `optax.monitor` does not). Wrap only transformations whose"
+      " `update` returns a state shaped like their `init`'s.")
+
+
+_FALLBACK_REASONS_SAID = set()
+
+
+def _warn_fallback(error: Exception) -> None:
+  reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+  if reason in _FALLBACK_REASONS_SAID:
+    return
+  _FALLBACK_REASONS_SAID.add(reason)
+  warnings.warn(
+      "optax_lossscale could not select the inner state where the inner"
+      f" update makes it ({reason}); this step takes the plain select after"
+      " the update instead, which is exact but copies the optimizer state."
+      " Please report this with your jax and optax versions.",
+      RuntimeWarning, stacklevel=4)
 
 
 def _traced(*trees) -> bool:
@@ -192,7 +257,7 @@ def _eval(jaxpr, consts, args, finite, select_at):
     return env[v]
 
   def write(v, val):
-    if isinstance(v, jex_core.DropVar):
+    if isinstance(v, _DropVar):
       return
     if v in select_at:
       val = _select(finite, val, select_at[v])
@@ -204,10 +269,8 @@ def _eval(jaxpr, consts, args, finite, select_at):
     write(v, val)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    sub = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE else None
-    if sub is None and eqn.primitive.name == "closed_call":
-      sub = eqn.params.get("call_jaxpr")
-    if isinstance(sub, jex_core.ClosedJaxpr):
+    sub = _inlinable_jaxpr(eqn)
+    if sub is not None:
       # Selections wanted on this call's outputs are pushed inside it.
       inner_select = {}
       passed_through = set(sub.jaxpr.invars) | set(sub.jaxpr.constvars)
@@ -220,9 +283,10 @@ def _eval(jaxpr, consts, args, finite, select_at):
             and sum(w is inner_v for w in sub.jaxpr.outvars) == 1
         ):
           inner_select[inner_v] = select_at[outer_v]
-      outvals = _eval(sub.jaxpr, sub.consts, invals, finite, inner_select)
+      with _source_of(eqn, inlined=True):
+        outvals = _eval(sub.jaxpr, sub.consts, invals, finite, inner_select)
       for outer_v, inner_v, val in zip(eqn.outvars, sub.jaxpr.outvars, outvals):
-        if isinstance(outer_v, jex_core.DropVar):
+        if isinstance(outer_v, _DropVar):
           continue
         if outer_v in select_at and inner_v in inner_select:
           env[outer_v] = val  # selected inside already
@@ -233,10 +297,48 @@ def _eval(jaxpr, consts, args, finite, select_at):
     subfuns = []
     if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
       subfuns, bind_params = bind_params
-    with eqn.ctx.manager:
+    with _source_of(eqn), eqn.ctx.manager:
       outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     if not eqn.primitive.multiple_results:
       outvals = [outvals]
     for v, val in zip(eqn.outvars, outvals):
       write(v, val)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _inlinable_jaxpr(eqn):
+  """The jaxpr of a call that may be inlined, or None.
+
+  A `jit` that places its inputs or outputs (`in_shardings`,
+  `out_shardings`) or donates them is bound as it is: inlined, those would
+  be lost. Selections wanted on its outputs are then made after it, which is
+  exact.
+  """
+  if eqn.primitive.name not in _INLINE:
+    return None
+  sub = eqn.params.get("jaxpr")
+  if sub is None:
+    sub = eqn.params.get("call_jaxpr")
+  if not isinstance(sub, jex_core.ClosedJaxpr):
+    return None
+  placed = [s for key in ("in_shardings", "out_shardings")
+            for s in eqn.params.get(key, ())
+            if isinstance(s, jax.sharding.Sharding)]
+  if placed or any(eqn.params.get("donated_invars", ())):
+    return None
+  return sub
+
+
+def _source_of(eqn, inlined: bool = False):
+  """Re-binds under the equation's traceback and name stack (and, for an
+  inlined call, its name), so that profiles and HLO metadata keep them."""
+  if _source_info is None:
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  info = eqn.source_info
+  stack.enter_context(_source_info.user_context(
+      info.traceback,
+      name_stack=_source_info.current_name_stack() + info.name_stack))
+  if inlined and eqn.params.get("name"):
+    stack.enter_context(_source_info.extend_name_stack(eqn.params["name"]))
+  return stack

@@ -1,0 +1,297 @@
+"""Under `jit` on meshes: `Explicit` and `Auto` axes, FSDP and tensor
+parallelism, on 8 CPU devices.
+
+Each case runs the loss-scaled step and the plain optax step on the same
+mesh and compares them: the shardings of every output, the values on a
+finite step, the skip on a non-finite one, and the compiled programs'
+collectives and temporaries (counted by kind, never pinned as text).
+"""
+
+import re
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import optax_lossscale as ols
+from optax_lossscale import _finite, _skip
+
+MESHES = {
+    "1d": ((8,), ("data",)),
+    "2d": ((4, 2), ("data", "model")),
+}
+# name -> (mesh, {leaf: spec}); leaves of 64x64 (divisible by every axis).
+LAYOUTS = {
+    "fsdp_1d": ("1d", {"w1": P("data", None), "w2": P("data", None),
+                       "w3": P(None, "data")}),
+    "fsdp_2d": ("2d", {"w1": P("data", None), "w2": P(("data", "model"))}),
+    "tensor_parallel": ("2d", {"up": P(None, "model"),
+                               "down": P("model", None)}),
+    "fsdp_and_tp": ("2d", {"w": P("data", "model"), "v": P("model", "data")}),
+    "replicated_and_sharded": ("2d", {"w": P("data", "model"), "b": P()}),
+}
+INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+GATHERING = ("all-gather", "all-to-all", "collective-permute")
+
+
+def make_mesh(name, axis_type):
+  shape, axes = MESHES[name]
+  return jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
+
+
+def sharded_tree(mesh, specs, scale=1.0):
+  return {
+      k: jax.device_put(
+          scale * jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64) * (i + 1),
+          NamedSharding(mesh, spec))
+      for i, (k, spec) in enumerate(specs.items())
+  }
+
+
+def with_value(x, index, value):
+  """A copy of the sharded array `x` with one element set, sharded alike."""
+  host = np.array(x)
+  host[index] = value
+  return jax.device_put(host, x.sharding)
+
+
+def step_fn(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def collectives(compiled):
+  """Collective ops by kind in the compiled module, and the result types of
+  its all-reduces."""
+  text = compiled.as_text()
+  counts = {kind: len(re.findall(rf"\b{kind}(?:-start)?\(", text))
+            for kind in GATHERING + ("all-reduce",)}
+  all_reduce_types = re.findall(
+      r"= (\S+?)(?:\{[^}]*\})? all-reduce(?:-start)?\(", text)
+  return counts, all_reduce_types
+
+
+def shardings(tree):
+  return [x.sharding.spec for x in jax.tree.leaves(tree)]
+
+
+def run_case(layout, axis_type, inner_name, grads_scale=2.0**10,
+             donate=False):
+  """Compiles (and without `donate`, runs) both steps on the layout."""
+  mesh_name, specs = LAYOUTS[layout]
+  mesh = make_mesh(mesh_name, axis_type)
+  with jax.set_mesh(mesh):
+    params = sharded_tree(mesh, specs)
+    grads = sharded_tree(mesh, specs, scale=grads_scale)
+    plain_tx = INNERS[inner_name]()
+    ours_tx = ols.loss_scale_optimizer(INNERS[inner_name](),
+                                       initial_scale=grads_scale)
+    out = {}
+    for name, tx in (("plain", plain_tx), ("ours", ours_tx)):
+      if name == "plain":
+        g = jax.tree.map(lambda x: x / grads_scale, grads)
+      else:
+        g = grads
+      state = tx.init(params)
+      compiled = jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ()
+                         ).lower(params, state, g).compile()
+      out[name] = dict(tx=tx, compiled=compiled, state=state, grads=g,
+                       result=None if donate else compiled(params, state, g))
+    return mesh, params, out
+
+
+CASES = [(layout, axis_type, inner)
+         for layout in LAYOUTS
+         for axis_type in (AxisType.Explicit, AxisType.Auto)
+         for inner in INNERS]
+
+
+@pytest.mark.parametrize("layout,axis_type,inner", CASES)
+def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
+  mesh, params, out = run_case(layout, axis_type, inner)
+  plain, ours = out["plain"], out["ours"]
+  plain_params, plain_state = plain["result"]
+  params_ours, state_ours = ours["result"]
+  # Every output is sharded as plain optax shards it.
+  assert shardings(params_ours) == shardings(plain_params)
+  assert shardings(state_ours.inner_state) == shardings(plain_state)
+  # A finite step is the plain step (the gradients are exact multiples).
+  chex.assert_trees_all_close(params_ours, plain_params, rtol=1e-6)
+  chex.assert_trees_all_close(state_ours.inner_state, plain_state,
+                              rtol=1e-6)
+  # Only one boolean's worth crosses devices: no gathered gradient.
+  (plain_counts, _), (counts, reduced) = (collectives(plain["compiled"]),
+                                          collectives(ours["compiled"]))
+  for kind in GATHERING:
+    assert counts[kind] <= plain_counts[kind], (kind, counts)
+  assert counts["all-reduce"] <= plain_counts["all-reduce"] + 3
+  assert all(t.endswith("[]") for t in reduced), reduced
+
+
+# Measured on 8 CPU devices, jax 0.10.2 (see the note in the test).
+_TEMPORARY_OPEN = (
+    {("adam", t, layout) for t in ("Explicit", "Auto") for layout in LAYOUTS}
+    | {("sgd_momentum", "Auto", layout)
+       for layout in ("fsdp_1d", "fsdp_2d", "tensor_parallel")})
+
+
+@pytest.mark.parametrize("layout,axis_type,inner", CASES)
+def test_no_gradient_sized_temporary(layout, axis_type, inner, request):
+  if (inner, axis_type.name, layout) in _TEMPORARY_OPEN:
+    request.applymarker(pytest.mark.xfail(
+        strict=True,
+        reason="open: on a mesh with donation XLA materializes the unscaled"
+        " gradient shard (about one shard per leaf), where on one device it"
+        " fuses it into the inner update; not the check (a constant flag"
+        " leaves it too)"))
+  # Donated, as training runs: a copy of a donated buffer shows here.
+  _, _, out = run_case(layout, axis_type, inner, donate=True)
+  plain_temp = out["plain"]["compiled"].memory_analysis().temp_size_in_bytes
+  temp = out["ours"]["compiled"].memory_analysis().temp_size_in_bytes
+  leaf_shard_bytes = 64 * 64 * 4 // 8
+  assert temp < plain_temp + leaf_shard_bytes, (temp, plain_temp)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_nan_in_one_shard_skips_on_every_device(layout, axis_type):
+  mesh, params, out = run_case(layout, axis_type, "adam")
+  ours = out["ours"]
+  leaf = sorted(ours["grads"])[0]
+  poisoned = dict(ours["grads"])
+  # The last row and column: one shard of any of the layouts above.
+  poisoned[leaf] = with_value(poisoned[leaf], (63, 63), np.nan)
+  with jax.set_mesh(mesh):
+    new_params, new_state = ours["compiled"](params, ours["state"], poisoned)
+  for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+    for shard_new, shard_old in zip(new.addressable_shards,
+                                    old.addressable_shards):
+      np.testing.assert_array_equal(np.asarray(shard_new.data),
+                                    np.asarray(shard_old.data))
+  chex.assert_trees_all_equal(new_state.inner_state,
+                              ours["state"].inner_state)
+  assert float(ols.loss_scale(new_state)) == 2.0**9
+  assert not bool(ols.skip_stats(new_state).last_finite)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_the_accelerator_form_of_the_check_adds_no_gathering(
+    axis_type, monkeypatch):
+  # On CPU the check lowers to its CPU form; this forces the form that
+  # GPU and TPU run, and compiles it on the CPU mesh.
+  monkeypatch.setattr(_finite, "_all_finite_here",
+                      lambda *leaves: _finite._concatenated(*leaves))
+  for layout in LAYOUTS:
+    _, _, out = run_case(layout, axis_type, "sgd_momentum", donate=True)
+    (plain_counts, _), (counts, reduced) = (
+        collectives(out["plain"]["compiled"]),
+        collectives(out["ours"]["compiled"]))
+    for kind in GATHERING:
+      assert counts[kind] <= plain_counts[kind], (layout, kind, counts)
+    assert all(t.endswith("[]") for t in reduced), reduced
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_all_finite_on_a_mesh(axis_type):
+  mesh = make_mesh("2d", axis_type)
+  with jax.set_mesh(mesh):
+    tree = sharded_tree(mesh, LAYOUTS["fsdp_and_tp"][1])
+    check = jax.jit(ols.all_finite)
+    assert bool(check(tree))
+    for row, col in ((0, 0), (17, 40), (63, 63)):
+      for value in (jnp.inf, -jnp.inf, jnp.nan):
+        bad = dict(tree, v=with_value(tree["v"], (row, col), value))
+        assert not bool(check(bad))
+        assert not bool(ols.all_finite(bad))  # eagerly too
+
+
+def test_scale_loss_and_read_outs_under_an_explicit_mesh():
+  mesh = make_mesh("2d", AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    params = sharded_tree(mesh, LAYOUTS["fsdp_2d"][1])
+    tx = ols.loss_scale_optimizer(optax.adam(1e-3), initial_scale=2.0**4)
+    state = tx.init(params)
+
+    @jax.jit
+    def loss_and_scale(params, state):
+      loss = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+      return ols.scale_loss(loss, state), ols.loss_scale(state)
+
+    scaled, scale = loss_and_scale(params, state)
+    unscaled = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+    assert float(scaled) == float(unscaled) * 16.0
+    assert float(scale) == 16.0
+    assert int(ols.dynamic_counter(state)) == 0
+
+
+def test_the_rewrite_keeps_a_sharded_jit_inside_the_inner_update():
+  # An inner update whose state goes through a jit with out_shardings: the
+  # rewrite must not inline it (which would drop the placement).
+  mesh = make_mesh("1d", AxisType.Auto)
+  sharding = NamedSharding(mesh, P("data"))
+  place = jax.jit(lambda x: x * 1.0, out_shardings=sharding)
+
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(updates, state, params=None):
+    del params
+    state = jax.tree.map(lambda s, g: place(s + g), state, updates)
+    return updates, state
+
+  inner = optax.GradientTransformation(init, update)
+  tx = ols.loss_scale_optimizer(inner, initial_scale=1.0)
+  params = {"w": jax.device_put(jnp.ones(64), sharding)}
+  state = tx.init(params)
+  _, new_state = jax.jit(tx.update)(params, state, params)
+  _, plain_state = jax.jit(inner.update)(params, state.inner_state, params)
+  assert new_state.inner_state["w"].sharding == plain_state["w"].sharding
+  chex.assert_trees_all_equal(new_state.inner_state, plain_state)
+
+
+def test_the_rewrite_keeps_name_stacks():
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(updates, state, params=None):
+    del params
+    with jax.named_scope("my_momentum"):
+      state = jax.tree.map(lambda s, g: 0.9 * s + g, state, updates)
+    return state, state
+
+  inner = optax.GradientTransformation(init, update)
+  tx = ols.loss_scale_optimizer(inner)
+  params = {"w": jnp.ones(8)}
+  text = jax.jit(tx.update).lower(params, tx.init(params),
+                                  params).as_text(debug_info=True)
+  assert "my_momentum" in text
+
+
+def test_the_rewrite_warns_once_when_it_cannot_run(monkeypatch):
+  def broken_eval(*args, **kwargs):
+    raise NotImplementedError("a primitive the rewrite cannot re-bind")
+
+  monkeypatch.setattr(_skip, "_eval", broken_eval)
+  monkeypatch.setattr(_skip, "_FALLBACK_REASONS_SAID", set())
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  params = jnp.ones(4)
+  state = tx.init(params)
+  with pytest.warns(RuntimeWarning, match="cannot re-bind"):
+    updates, _ = jax.jit(tx.update)(params, state, params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # said once, not every trace
+    jax.jit(tx.update)(params * 2, state, params)
+  # The fallback is the exact select.
+  plain_updates, _ = optax.adam(1e-3).update(
+      params / 2.0**15, state.inner_state, params)
+  chex.assert_trees_all_close(updates, plain_updates, rtol=1e-6)
