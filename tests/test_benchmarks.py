@@ -108,16 +108,12 @@ def test_sharded_tiny_report(sharded_tiny):
       assert r["sharded_leaves"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: the core fix (_finite, _skip, _unscale under Explicit"
-    " and Auto meshes) has not landed on this branch")
 def test_sharded_tiny_structural_claims(sharded_tiny):
   """On Auto and Explicit meshes, FSDP and tensor-parallel, adam and sgd
   with momentum, the loss-scaled step runs; its outputs keep plain optax's
   shardings; it adds no collective that moves gradients (all-gather,
-  all-to-all, collective-permute, reduce-scatter), at most a few all-reduces,
-  each of a scalar, and no gradient-sized temporary per device."""
+  all-to-all, collective-permute, reduce-scatter), and at most a few
+  all-reduces, each of a scalar."""
   results, _ = sharded_tiny
   for case, rows in _by_case(results).items():
     plain, ours = rows["plain"], rows["ours"]
@@ -130,8 +126,20 @@ def test_sharded_tiny_structural_claims(sharded_tiny):
                                 plain["collectives"])
     assert extra["all-reduce"] <= 3, (case, ours["collectives"])
     assert ours["wide_all_reduces"] <= plain["wide_all_reduces"], case
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11: on 8 devices the partitioned step materializes the"
+    " unscaled gradient of adam (and of sgd-momentum on the tiny FSDP mesh)"
+    " per device; on one device it does not")
+def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
+  """The loss-scaled step adds no gradient-sized temporary per device."""
+  results, _ = sharded_tiny
+  for case, rows in _by_case(results).items():
+    plain, ours = rows["plain"], rows["ours"]
     # The smallest per-device shard of one float32 gradient leaf (fsdp: 8
     # devices): a temporary this large would be a gradient-sized one.
     shard_bytes = ours["size"] ** 2 * 4 // 8
-    assert ours["extra_temp_bytes"] < shard_bytes, (
+    assert ours["temp_bytes"] - plain["temp_bytes"] < shard_bytes, (
         case, ours["temp_bytes"], plain["temp_bytes"])

@@ -323,10 +323,6 @@ def _worker_module():
   return module
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: the core fix (_finite, _skip, _unscale under Explicit"
-    " meshes) has not landed on this branch")
 def test_two_processes_fsdp_explicit_mesh(two_processes):
   """FSDP on an Explicit mesh over both processes (4 devices each): params
   and adam state P('data', None), a NaN in one element of one gradient shard
