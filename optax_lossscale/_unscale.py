@@ -133,18 +133,22 @@ def unscale(updates, loss_scale: jax.Array, params=None):
 
 
 def _scale_for(loss_scale: jax.Array, out_dtype):
-  """`(compute_dtype, half, scale)` for a leaf unscaled into `out_dtype`:
-  `g / scale` is computed as `(g * half) / (scale * half)` in
-  `compute_dtype`, the wider of `out_dtype` and the scale's."""
+  """`(compute_dtype, quarter, reciprocal)` for a leaf unscaled into
+  `out_dtype`: `g / scale` is computed as `(g * quarter) * reciprocal` in
+  `compute_dtype` (the wider of `out_dtype` and the scale's), with
+  `reciprocal = 1 / (scale * quarter)`."""
   compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
   scale = loss_scale.astype(compute_dtype)
-  # Divide, never multiply by 1 / s: above 2**126 that reciprocal is
-  # subnormal and XLA flushes it to zero. XLA's own division on CPU goes
-  # through the reciprocal too, so such a scale is halved on both sides
-  # first; `g / 2` only rounds where g is subnormal, and then the quotient
-  # underflows anyway.
-  half = jnp.where(scale > 2.0**126, 0.5, 1.0).astype(compute_dtype)
-  return compute_dtype, half, scale
+  # A product, not a quotient: XLA fuses a product into each of its
+  # consumers, where on a mesh it materialized the quotient (one gradient
+  # shard per leaf) for adam's two moments. For a power-of-two scale the
+  # product is exact, as the quotient is; otherwise within an ulp of it.
+  # Above 2**126 the reciprocal of the scale is subnormal and XLA flushes
+  # it to zero, so such a scale is quartered on both sides first; `g / 4`
+  # only rounds where g is subnormal, and then the quotient underflows.
+  quarter = jnp.where(scale > 2.0**126, 0.25, 1.0).astype(compute_dtype)
+  reciprocal = lax.div(jnp.ones([], compute_dtype), lax.mul(scale, quarter))
+  return compute_dtype, quarter, reciprocal
 
 
 def _is_none(x) -> bool:
@@ -192,13 +196,11 @@ def _unscale_leaf(g, out_dtype, scale_for):
         _unscale_leaf(jnp.real(g), real_dtype, scale_for),
         _unscale_leaf(jnp.imag(g), real_dtype, scale_for),
     ).astype(out_dtype)
-  compute_dtype, half, scale = scale_for(out_dtype)
+  compute_dtype, quarter, reciprocal = scale_for(out_dtype)
   # `lax` directly, not `jnp` operators: each of those traces a call of its
-  # own, and a step unscales every leaf. `scale * half` stays per leaf: made
-  # once and shared, XLA kept an element-wise divide, did not fuse it into
-  # the inner update, and materialized every unscaled gradient.
+  # own, and a step unscales every leaf.
   g = lax.convert_element_type(g, compute_dtype)
-  quotient = lax.div(lax.mul(g, half), lax.mul(scale, half))
+  quotient = lax.mul(lax.mul(g, quarter), reciprocal)
   return lax.convert_element_type(quotient, out_dtype)
 
 

@@ -295,3 +295,11 @@ def test_float64_leaves_are_checked_by_their_own_exponent():
     assert bool(check(tree))
     for special in (np.nan, np.inf, -np.inf):
       assert not bool(check(tree[:2] + [tree[2].at[size - 1].set(special)]))
+
+
+def test_the_same_complex_array_twice():
+  # Leaves without an exponent mask are grouped by position: one array
+  # passed twice is two leaves (grouping by `id` put both in one group).
+  c = jnp.ones(4096, jnp.complex64)
+  assert bool(ols.all_finite([c, c]))
+  assert not bool(ols.all_finite([c, c.at[7].set(jnp.nan)]))

@@ -203,3 +203,41 @@ def test_every_output_is_written_into_a_donated_buffer(make_tx):
   fresh = [x.shape for x in outputs
            if x.unsafe_buffer_pointer() not in donated]
   assert fresh == []
+
+
+def test_a_weakly_typed_inner_state_leaf_stays_weak():
+  # A state leaf made from a Python scalar is weakly typed; plain optax
+  # keeps it so, and the step must trace once, not once per weak type.
+  def init(params):
+    del params
+    return {"decay": jnp.asarray(0.5)}  # weakly typed
+
+  def update(updates, state, params=None):
+    del params
+    return updates, {"decay": state["decay"] * 1.0}
+
+  inner = optax.GradientTransformation(init, update)
+  tx = ols.loss_scale_optimizer(inner)
+  state = tx.init(jnp.ones(2))
+  assert jax.typeof(state.inner_state["decay"]).weak_type
+  traces = []
+
+  @jax.jit
+  def step(state, grads):
+    traces.append(None)
+    return tx.update(grads, state)[1]
+
+  for grads in (jnp.ones(2), jnp.array([1.0, jnp.nan]), jnp.ones(2)):
+    state = step(state, grads)
+    assert jax.typeof(state.inner_state["decay"]).weak_type
+  assert len(traces) == 1
+
+
+def test_a_state_that_changes_structure_is_named():
+  measure = optax.monitor({"norm": optax.tree.norm})
+  tx = ols.loss_scale_optimizer(optax.chain(measure, optax.sgd(0.1)))
+  params = jnp.ones(3)
+  state = tx.init(params)
+  for update in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(ValueError, match=r"structure.*optax.monitor"):
+      update(params, state, params)
