@@ -24,7 +24,7 @@ and inner optimizer state) keeps the sharding that plain optax gives it. A
 recipe that fails on a mesh reports its error in its row.
 
   python benchmarks/sharded.py           # four 1024x1024 leaves (minutes)
-  python benchmarks/sharded.py --tiny    # four 128x128 leaves (seconds)
+  python benchmarks/sharded.py --tiny    # four 256x256 leaves (seconds)
 """
 
 import argparse
@@ -235,7 +235,7 @@ def _fmt_collectives(counts):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tiny", "--smoke", action="store_true",
-                 help="128x128 leaves, a few rounds, one compilation (seconds)")
+                 help="256x256 leaves, a few rounds, one compilation (seconds)")
   p.add_argument("--size", type=int, default=None,
                  help="each leaf is SIZE x SIZE float32 (default 1024)")
   p.add_argument("--leaves", type=int, default=4)
@@ -253,7 +253,7 @@ def main(argv=None):
                  help="compilations per recipe, the fastest counts"
                  " (default 3; 1 with --tiny)")
   args = p.parse_args(argv)
-  size = args.size or (128 if args.tiny else 1024)
+  size = args.size or (256 if args.tiny else 1024)
   rounds = args.rounds or (3 if args.tiny else 31)
   repeats = args.compile_repeats or (1 if args.tiny else 3)
   recipes = list(args.recipes)
