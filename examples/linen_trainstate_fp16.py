@@ -91,7 +91,8 @@ def main(argv=None) -> dict:
                              labels[i * batch:(i + 1) * batch])
     losses.append(float(loss))
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
-      print(f"step {step:5d}  loss {loss:.4f}  scale {ols.loss_scale(state):.0f}"
+      print(f"step {step:5d}  loss {loss:.4f}"
+            f"  scale {ols.loss_scale(state):.0f}"
             f"  skipped {int(ols.skip_stats(state).total_skipped)}")
 
   result = {

@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
     losses.append(float(loss))
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
       # Read-outs take the split state; they return plain arrays.
-      print(f"step {step:5d}  loss {loss:.4f}  scale {ols.loss_scale(state):.0f}"
+      print(f"step {step:5d}  loss {loss:.4f}"
+            f"  scale {ols.loss_scale(state):.0f}"
             f"  skipped {int(ols.skip_stats(state).total_skipped)}")
 
   # Checkpoint surgery on the split state, then back into objects.

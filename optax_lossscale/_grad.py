@@ -76,7 +76,8 @@ def value_and_grad(
     ...                         grad_fn=jax.value_and_grad, argnums=1)
     >>> (loss, aux), grads = vg(opt_state, 3.0, params)
     >>> loss, aux['mean'], grads
-    (Array(9., dtype=float32), Array(1.5, dtype=float32), Array([12., 12.], dtype=float32))
+    (Array(9., dtype=float32), Array(1.5, dtype=float32),
+     Array([12., 12.], dtype=float32))
   """
   if not isinstance(has_aux, bool):
     raise TypeError(

@@ -91,7 +91,8 @@ def _find_node(opt_state):
 def _read(opt_state) -> LossScaleState:
   """The loss-scale state as plain arrays, possibly stacked (any shape)."""
   node = _find_node(opt_state)
-  values = {name: _unwrap(_field(node, name)) for name in LossScaleState._fields}
+  values = {name: _unwrap(_field(node, name))
+            for name in LossScaleState._fields}
   return LossScaleState(**{
       name: None if value is None else jnp.asarray(value)
       for name, value in values.items()

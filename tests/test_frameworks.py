@@ -108,7 +108,7 @@ def test_nnx_set_loss_scale_reaches_the_next_update(form):
   @nnx.jit
   def step(model, optimizer):
     scale_seen.append(None)  # traced once
-    loss, grads = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)(
+    _, grads = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)(
         optimizer, model, X, Y)
     optimizer.update(model, grads)
     return ols.scale_loss(jnp.float32(1.0), optimizer)
@@ -160,7 +160,7 @@ def test_value_and_grad_signature_describes_the_wrapper():
   assert "loss_fn" in vg.__name__ and vg.__doc__.startswith(
       "`ols.value_and_grad` of `loss_fn`")
   builtin = ols.value_and_grad(jnp.sum)
-  assert list(inspect.signature(builtin).parameters)[0] == "opt_state"
+  assert next(iter(inspect.signature(builtin).parameters)) == "opt_state"
 
 
 def test_value_and_grad_refuses_bad_arguments():
@@ -252,8 +252,8 @@ def test_value_and_grad_equinox_exactly_scaled():
   model = _EqxModelPlainFields(jax.random.key(0))
   tx = ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=2.0**10)
   opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
-  loss, grads = ols.value_and_grad(_eqx_loss, grad_fn=eqx.filter_value_and_grad)(
-      opt_state, model, X, Y)
+  vg = ols.value_and_grad(_eqx_loss, grad_fn=eqx.filter_value_and_grad)
+  loss, grads = vg(opt_state, model, X, Y)
   plain_loss, plain = eqx.filter_value_and_grad(_eqx_loss)(model, X, Y)
   assert loss == plain_loss
   jax.tree.map(lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10),
