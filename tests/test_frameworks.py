@@ -118,6 +118,22 @@ def test_nnx_set_loss_scale_reaches_the_next_update(form):
   assert int(ols.dynamic_counter(optimizer)) == 1
 
 
+def test_nnx_scale_loss_on_the_optimizer_inside_nnx_grad():
+  """The hand-written pattern: scale_loss reads the optimizer's Variables
+  from inside NNX's own transformation."""
+  model, optimizer = _nnx_setup(initial_scale=8.0)
+
+  @nnx.jit
+  def step(model, optimizer):
+    def loss_fn(model):
+      return ols.scale_loss(_nnx_loss(model, X, Y), optimizer)
+    optimizer.update(model, nnx.grad(loss_fn)(model))
+
+  step(model, optimizer)
+  assert bool(ols.skip_stats(optimizer).last_finite)
+  assert int(ols.dynamic_counter(optimizer)) == 1
+
+
 def test_nnx_split_state_is_set_functionally_for_pure_state():
   model, optimizer = _nnx_setup(initial_scale=256.0)
   graphdef, state = nnx.split(optimizer)
