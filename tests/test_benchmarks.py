@@ -46,7 +46,8 @@ def test_train_step_tiny(capsys):
   results = _load("train_step").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
   assert "overhead" in out
-  assert set(results) == {"mlp", "transformer"}
+  assert set(results) == {"mlp", "transformer", "transformer12"}
+  assert results["transformer12"]["leaves"] > results["transformer"]["leaves"]
   for r in results.values():
     assert r["plain_s"] > 0 and r["scaled_s"] > 0
     assert math.isfinite(r["overhead"]) and r["params"] > 0

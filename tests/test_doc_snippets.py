@@ -69,6 +69,12 @@ def test_readme_training_snippets_run():
       ("### Scaling out", "jax.pmap"),
   ]:
     exec(_readme_block(after, containing), ns)
+  fsdp_ns: dict = {}
+  exec(README_SETUP, fsdp_ns)
+  exec(_readme_block("### Scaling out", "fsdp_step"), fsdp_ns)
+  spec = fsdp_ns["params"]["w"].sharding.spec
+  assert tuple(spec)[:1] == ("data",), spec
+  assert fsdp_ns["ols"].loss_scale(fsdp_ns["opt_state"]) == 2.0**15
   n = ns["jax"].local_device_count()
   assert ns["losses"].shape == (3,)  # the ensemble's losses, one per member
   assert ns["ols"].loss_scale(ns["states"]).shape == (3,)
