@@ -460,8 +460,10 @@ def run_study(steps: int = DEFAULTS["steps"], runs=RUNS, progress=None,
 
 SWEEP = dict(
     steps=100,
-    # static scales 2**0, 2**2, ..., 2**30
-    static_log2=tuple(range(0, 31, 2)),
+    # static scales 2**0, 2**2, ..., 2**30, and every power of two at the
+    # window's edges
+    static_log2=(0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 22,
+                 24, 26, 28, 30),
     # dynamic runs: (initial scale, growth interval; None = Keras's 2000)
     dynamic=((1.0, 20), (2.0**15, 20), (2.0**32, 20),
              (2.0**15, None), (2.0**32, None)),
@@ -470,6 +472,9 @@ SWEEP = dict(
     # the data-parallel token mean: replicas sharing one global mean
     replicas=64,
     divergence=("fp32", "fp16", "fp16_dynamic"),
+    # the sawtooth: longer, growth every 20 finite steps against 2000
+    sawtooth_steps=300,
+    sawtooth=((2.0**15, 20), (2.0**15, None)),
 )
 
 
@@ -524,17 +529,13 @@ def run_sweep(sweep=SWEEP, progress=None, **overrides) -> dict:
   runs = {}
   for name, spec in sweep_runs(sweep).items():
     runs[name] = train(setup, spec, progress, name)
-  ref = runs["fp32"]["eval_loss"]
-  static = {2.0**e: runs[f"static 2**{e}"] for e in sweep["static_log2"]}
-  window = find_window(static, ref, sweep["tol"])
-  out = {"config": cfg, "sweep": dict(sweep), "runs": runs,
-         "window": window}
-  if window is not None:
-    out["landing"] = {
-        name: landing(r, window) for name, r in runs.items()
-        if name.startswith("dyn ")}
-  best = min(static, key=lambda s: static[s]["eval_loss"])
-  out["best_static"] = best
+  out = finish_sweep({"config": cfg, "sweep": dict(sweep), "runs": runs})
+  if sweep["sawtooth_steps"]:
+    setup = prepare(sweep["sawtooth_steps"], n_checkpoints=1, **overrides)
+    specs = {"fp32": fp32_spec(), **{
+        _dyn_name(*sg): dynamic_spec(*sg) for sg in sweep["sawtooth"]}}
+    out["sawtooth"] = {name: train(setup, spec, progress, f"saw {name}")
+                       for name, spec in specs.items()}
   # Data-parallel: each replica's loss is divided by the global count.
   R = sweep["replicas"]
   if R:
@@ -547,10 +548,49 @@ def run_sweep(sweep=SWEEP, progress=None, **overrides) -> dict:
   return out
 
 
+def finish_sweep(out):
+  """Adds the window, the best static scale and the dynamic runs' landings
+  to a sweep result, from its runs."""
+  runs = out["runs"]
+  static = {r["initial_scale"]: r for k, r in runs.items()
+            if k.startswith("static")}
+  static = dict(sorted(static.items()))
+  out["window"] = out["best_static"] = None
+  if static:
+    out["window"] = find_window(static, runs["fp32"]["eval_loss"],
+                                out["sweep"]["tol"])
+    out["best_static"] = min(static, key=lambda s: static[s]["eval_loss"])
+  if out["window"] is not None:
+    out["landing"] = {
+        name: landing(r, out["window"]) for name, r in runs.items()
+        if name.startswith("dyn ")}
+  return out
+
+
+def merge_sweeps(outs):
+  """One sweep result from several (runs of the same config, e.g. the grid
+  and its edges run separately): runs in static-scale order, the first
+  record of each name kept."""
+  runs = {}
+  for o in outs:
+    for k, r in o["runs"].items():
+      runs.setdefault(k, r)
+  key = lambda k: (k.startswith("dyn"), runs[k]["initial_scale"]  # noqa
+                   if k.startswith("static") else -1)
+  merged = {"config": outs[0]["config"], "sweep": dict(outs[0]["sweep"]),
+            "runs": {k: runs[k] for k in sorted(runs, key=key)}}
+  for o in outs:
+    for part in ("sawtooth", "replicas"):
+      if part in o:
+        merged.setdefault(part, o[part])
+  return finish_sweep(merged)
+
+
 def sweep_steps(sweep=SWEEP):
   n = len(sweep_runs(sweep)) + (len(sweep["divergence"])
                                 if sweep["replicas"] else 0)
-  return n * sweep["steps"]
+  saw = (1 + len(sweep["sawtooth"])) * sweep["sawtooth_steps"]
+  return n * sweep["steps"] + saw
 
 
 # ---------------------------------------------------------------- report
@@ -570,7 +610,8 @@ def format_table(result) -> str:
   return "\n".join(lines)
 
 
-def _log2(x):
+def pow2(x):
+  """"2**k" for a power of two."""
   return f"2**{math.log2(x):g}"
 
 
@@ -581,12 +622,12 @@ def format_scales(result) -> str:
     if r is None:
       continue
     spec = r["spec"]
-    how = (f"dynamic from {_log2(r['initial_scale'])}, growth every "
+    how = (f"dynamic from {pow2(r['initial_scale'])}, growth every "
            f"{spec['growth_steps'] or 2000} finite steps" if spec["dynamic"]
-           else f"static {_log2(r['initial_scale'])}")
+           else f"static {pow2(r['initial_scale'])}")
     n = len(r["scale"])
     at = sorted({0, 1, 2, 4, 8, n // 4, n // 2, 3 * n // 4, n - 1})
-    traj = ", ".join(f"{i + 1}:{_log2(r['scale'][i])}" for i in at if i < n)
+    traj = ", ".join(f"{i + 1}:{pow2(r['scale'][i])}" for i in at if i < n)
     lines.append(f"{run} ({how}): scale after step {traj}")
     lines.append(f"  backoffs {r['backoffs']}, growths {r['growths']},"
                  f" skipped steps {r['skipped_total']}")
@@ -619,24 +660,35 @@ def format_sweep(out) -> str:
         f"{name:<16}{r['eval_loss']:>10.4f}{r['eval_loss'] - ref:>+9.4f}"
         f"{fl:>14}{ov:>15}"
         f"{100 * r['skipped_total'] / len(r['skipped']):>10.1f}"
-        f"{_log2(r['final_scale']):>12}{r['backoffs']:>9}{r['growths']:>8}")
+        f"{pow2(r['final_scale']):>12}{r['backoffs']:>9}{r['growths']:>8}")
   w = out["window"]
   if w is None:
     lines.append("no static scale is usable")
   else:
-    lines.append(f"window: {_log2(w[0])} .. {_log2(w[1])} "
+    lines.append(f"window: {pow2(w[0])} .. {pow2(w[1])} "
                  f"({math.log2(w[1] / w[0]):g} octaves); best static "
-                 f"{_log2(out['best_static'])}")
+                 f"{pow2(out['best_static'])}")
     for name, land in out["landing"].items():
       r = out["runs"][name]
       if land is None:
         lines.append(f"  {name}: never in the window (ends at "
-                     f"{_log2(r['final_scale'])})")
+                     f"{pow2(r['final_scale'])})")
       else:
         lines.append(
             f"  {name}: in the window after {land['steps']} steps "
             f"({land['skips']} skipped), stays {100 * land['stays']:.0f}% of"
             f" the rest; {r['skipped_total']} skipped in all")
+  if "sawtooth" in out:
+    saw = out["sawtooth"]
+    ref_s = saw["fp32"]["eval_loss"]
+    lines.append(f"sawtooth, {len(saw['fp32']['loss'])} steps:")
+    for name, r in saw.items():
+      lines.append(
+          f"  {name:<16} eval {r['eval_loss']:.4f}"
+          f" ({r['eval_loss'] - ref_s:+.4f}); skipped {r['skipped_total']},"
+          f" backoffs {r['backoffs']}, growths {r['growths']}, final scale"
+          f" {pow2(r['final_scale'])}, skipped at steps "
+          f"{(np.nonzero(r['skipped'])[0] + 1).tolist()}")
   if "replicas" in out:
     rr = out["replicas"]
     R = out["sweep"]["replicas"]
@@ -652,7 +704,7 @@ def format_sweep(out) -> str:
           f" ({r['eval_loss'] - ref_r:+.4f})"
           f", train loss min {lo.min():.4f} at step {int(lo.argmin()) + 1},"
           f" last {lo[-1]:.4f}; act flushed {fl}%, final scale "
-          f"{_log2(r['final_scale'])}")
+          f"{pow2(r['final_scale'])}")
   return "\n".join(lines)
 
 
@@ -670,6 +722,30 @@ def to_json(obj):
   if isinstance(obj, float) and not math.isfinite(obj):
     return None
   return obj
+
+
+def load_json(path):
+  """A result saved with ``--json``, curves back as numpy arrays."""
+  with open(path) as f:
+    out = json.load(f)
+
+  def fix(rec):
+    for k in ("loss", "scale", "skipped"):
+      rec[k] = np.asarray(rec[k])
+    for k, v in rec.items():
+      if v is None:
+        rec[k] = float("nan")
+    for f in rec.get("flush", []):
+      for k, v in f.items():
+        f[k] = float("nan") if v is None else v
+    return rec
+
+  for group in ("runs", "replicas", "sawtooth"):
+    for rec in out.get(group, {}).values():
+      fix(rec)
+  if out.get("window") is not None:
+    out["window"] = tuple(out["window"])
+  return out
 
 
 # ---------------------------------------------------------------- figures
@@ -735,6 +811,8 @@ def plot_shares(ax, out):
           label="activation grads flushed to 0")
   ax.plot(x, [100 * r["act_nonfinite_mean"] for r in static], "s-", ms=4,
           label="activation grads inf/NaN")
+  ax.plot(x, [100 * np.mean([f["nonfinite"] for f in r["flush"]])
+              for r in static], "d-", ms=4, label="parameter grads inf/NaN")
   ax.plot(x, [100 * r["skipped_total"] / len(r["skipped"]) for r in static],
           "^-", ms=4, label="steps skipped")
   _shade(ax, out["window"])
@@ -780,7 +858,7 @@ def save_sweep_figure(out, path):
   plot_shares(ax[0, 1], out)
   plot_scales(ax[0, 2], dynamic_runs(out), out["window"])
   runs = out["runs"]
-  best = f"static {_log2(out['best_static'])}"
+  best = f"static {pow2(out['best_static'])}"
   saw = {k: r for k, r in dynamic_runs(out).items() if "2**15" in k}
   plot_scales(ax[1, 0], saw, out["window"])
   ax[1, 0].set_title("sawtooth: growth every 20 steps vs 2000")
@@ -815,6 +893,13 @@ def main(argv=None):
   parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
   parser.add_argument("--sweep", action="store_true",
                       help="the whole study (about 15 min on 2 CPU cores)")
+  parser.add_argument("--scales", default=None,
+                      help="with --sweep: the static scales' log2, e.g. 1,3")
+  parser.add_argument("--parts", default=None,
+                      help="with --sweep: some of static,dynamic,sawtooth,"
+                      "replicas (default: all)")
+  parser.add_argument("--merge", nargs="+", default=None,
+                      help="print (and save) sweeps saved with --json as one")
   parser.add_argument("--figure", default=None, help="save a PNG here")
   parser.add_argument("--json", default=None,
                       help="write every number (curves too) to this path")
@@ -828,12 +913,28 @@ def main(argv=None):
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}",
         flush=True)
 
-  if args.sweep:
+  if args.merge:
+    args.sweep = True
+    result = merge_sweeps([load_json(p) for p in args.merge])
+    bar = None
+  elif args.sweep:
     sweep = dict(SWEEP)
     if args.steps is not None:
       sweep["steps"] = args.steps
+      sweep["sawtooth_steps"] = 3 * args.steps
     if args.replicas is not None:
       sweep["replicas"] = args.replicas
+    if args.scales is not None:
+      sweep["static_log2"] = tuple(int(e) for e in args.scales.split(","))
+    parts = (args.parts or "static,dynamic,sawtooth,replicas").split(",")
+    if "static" not in parts:
+      sweep["static_log2"] = ()
+    if "dynamic" not in parts:
+      sweep["dynamic"] = ()
+    if "sawtooth" not in parts:
+      sweep["sawtooth_steps"] = 0
+    if "replicas" not in parts:
+      sweep["replicas"] = 0
     overrides.pop("static_scale", None)
     bar = tqdm(total=sweep_steps(sweep), unit="step", file=sys.stderr)
   else:
@@ -846,11 +947,14 @@ def main(argv=None):
     bar.set_description(run)
     bar.update(n)
 
-  if args.sweep:
+  if args.merge:
+    pass
+  elif args.sweep:
     result = run_sweep(sweep, progress=progress, **overrides)
   else:
     result = run_study(steps=steps, progress=progress, **overrides)
-  bar.close()
+  if bar is not None:
+    bar.close()
   cfg = result["config"]
   print(f"char-MLP LM on {cfg['corpus_chars']} chars of stdlib source, "
         f"vocab {cfg['vocab']}, context {cfg['context']}, depth "
