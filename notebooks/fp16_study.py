@@ -29,17 +29,19 @@ float16), logits cast back to float32 for the softmax and the float32 mean,
 and the float16 gradients cast back to float32 for Adam.
 
 The main job (``python notebooks/fp16_study.py``, about 2 minutes on two
-CPU cores) trains four runs, same seeds, same batches, same steps:
+CPU cores) trains five runs, same seeds, same batches, same steps:
 
-  * ``fp32``:          everything float32;
-  * ``fp16``:          float16 compute, no loss scaling;
-  * ``fp16_static``:   float16, static loss scale (``--static-scale``);
-  * ``fp16_dynamic``:  float16, ``loss_scale_optimizer`` started at
-                       ``--dynamic-scale`` (default 2**24, above the window)
-                       with a growth interval of ``--growth-steps`` (default
-                       10, so that the scale moves within the short run).
+  * ``fp32``:             everything float32;
+  * ``fp16``:             float16 compute, no loss scaling;
+  * ``fp16_static``:      float16, static loss scale (``--static-scale``);
+  * ``fp16_dynamic``:     float16, ``loss_scale_optimizer`` at its defaults
+                          (2**15, growth after 2000 finite steps);
+  * ``fp16_dynamic_g5``:  the same from ``--dynamic-scale`` (2**15) with
+                          growth after ``--growth-steps`` (5) finite steps,
+                          so that the scale moves within the short run: it
+                          grows, overflows, backs off.
 
-``--sweep`` runs the whole study instead (about 15 minutes here): static
+``--sweep`` runs the whole study instead (see RESULTS.md for its time): static
 scales 2**0 .. 2**30, dynamic runs from 2**0, 2**15 and 2**32, the sawtooth
 with a short growth interval against the default one, and a data-parallel
 token mean (``--replicas``) where plain float16 breaks down. ``--json PATH``
@@ -65,7 +67,7 @@ import optax  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
 
-RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic")
+RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_dynamic_g5")
 
 # Standard-library modules whose source is the corpus (present in every
 # CPython 3.11+; the text differs slightly between versions).
@@ -425,13 +427,15 @@ def main_specs(cfg):
       "fp32": fp32_spec(),
       "fp16": fp16_spec(),
       "fp16_static": static_spec(cfg["static_scale"]),
-      "fp16_dynamic": dynamic_spec(cfg["dynamic_scale"], cfg["growth_steps"]),
+      "fp16_dynamic": dynamic_spec(),
+      "fp16_dynamic_g5": dynamic_spec(cfg["dynamic_scale"],
+                                      cfg["growth_steps"]),
   }
 
 
 def run_study(steps: int = DEFAULTS["steps"], runs=RUNS, progress=None,
               keep_params: bool = False, **overrides) -> dict:
-  """The main job: trains the four runs. Returns ``config``, ``runs`` (per
+  """The main job: trains the five runs. Returns ``config``, ``runs`` (per
   run, what ``train`` returns), ``summary`` rows for the table, and the
   ``probe_batch`` the flush statistics use."""
   setup = prepare(steps, **overrides)
@@ -541,7 +545,6 @@ def run_sweep(sweep=SWEEP, progress=None, **overrides) -> dict:
   if R:
     setup = prepare(sweep["steps"], n_checkpoints=1, replicas=R, **overrides)
     specs = main_specs(setup["cfg"])
-    specs["fp16_dynamic"] = dynamic_spec()
     out["replicas"] = {
         name: train(setup, specs[name], progress, f"R={R} {name}")
         for name in sweep["divergence"]}
@@ -617,7 +620,7 @@ def pow2(x):
 
 def format_scales(result) -> str:
   lines = []
-  for run in ("fp16_static", "fp16_dynamic"):
+  for run in ("fp16_static", "fp16_dynamic", "fp16_dynamic_g5"):
     r = result["runs"].get(run)
     if r is None:
       continue
@@ -632,7 +635,7 @@ def format_scales(result) -> str:
     lines.append(f"  backoffs {r['backoffs']}, growths {r['growths']},"
                  f" skipped steps {r['skipped_total']}")
   lines.append("flushed % of activation (param) gradients per checkpoint,"
-               " fp16 / static / dynamic:")
+               " fp16 / static / dynamic / dynamic_g5:")
   runs = [result["runs"][k] for k in RUNS[1:] if k in result["runs"]]
   if runs:
     for i, f in enumerate(runs[0]["flush"]):
@@ -766,8 +769,8 @@ def save_figure(result, path):
   a.set(xlabel="step", ylabel="train loss - fp32 train loss",
         title=f"char-LM, mean over {result['config']['batch']} tokens")
   a.legend(fontsize=8)
-  plot_scales(b, {k: result["runs"][k] for k in ("fp16_static",
-                                                  "fp16_dynamic")})
+  plot_scales(b, {k: result["runs"][k] for k in RUNS[2:]
+                  if k in result["runs"]})
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
@@ -848,6 +851,15 @@ def dynamic_runs(out):
   return {k: r for k, r in out["runs"].items() if k.startswith("dyn")}
 
 
+def plot_sawtooth(a, b, out):
+  """The longer runs' scales (skips marked) and their loss against
+  float32's."""
+  saw = {k: r for k, r in out["sawtooth"].items() if k != "fp32"}
+  plot_scales(a, saw)
+  a.set_title("sawtooth: growth every 20 finite steps vs 2000")
+  plot_loss_gap(b, saw, out["sawtooth"]["fp32"], "the loss beside it")
+
+
 def save_sweep_figure(out, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -857,13 +869,8 @@ def save_sweep_figure(out, path):
   plot_window(ax[0, 0], out)
   plot_shares(ax[0, 1], out)
   plot_scales(ax[0, 2], dynamic_runs(out), out["window"])
-  runs = out["runs"]
-  best = f"static {pow2(out['best_static'])}"
-  saw = {k: r for k, r in dynamic_runs(out).items() if "2**15" in k}
-  plot_scales(ax[1, 0], saw, out["window"])
-  ax[1, 0].set_title("sawtooth: growth every 20 steps vs 2000")
-  plot_loss_gap(ax[1, 1], {**saw, best: runs[best], "fp16": runs["fp16"]},
-                runs["fp32"], "loss beside it")
+  if "sawtooth" in out:
+    plot_sawtooth(ax[1, 0], ax[1, 1], out)
   if "replicas" in out:
     rr = out["replicas"]
     for name, r in rr.items():
@@ -892,7 +899,7 @@ def main(argv=None):
                       help="divide each replica's loss by the global count")
   parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
   parser.add_argument("--sweep", action="store_true",
-                      help="the whole study (about 15 min on 2 CPU cores)")
+                      help="the whole study (see RESULTS.md)")
   parser.add_argument("--scales", default=None,
                       help="with --sweep: the static scales' log2, e.g. 1,3")
   parser.add_argument("--parts", default=None,
