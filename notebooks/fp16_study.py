@@ -65,7 +65,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import optax_lossscale as ols  # noqa: E402
+try:
+  import optax_lossscale as ols
+except ImportError:  # run from a checkout without installing it
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+  import optax_lossscale as ols
 
 RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_dynamic_g5")
 
