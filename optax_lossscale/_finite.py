@@ -94,14 +94,21 @@ def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
 
   Inside `shard_map` every leaf is a local block, so the single-device
   check applies as it is (concatenations included), and the only traffic
-  is one int32 scalar per device.
+  is one int32 scalar per device, over the axes that some leaf is sharded
+  on (the flag is the same along the others; newer jax refuses a reduction
+  over an axis along which a value does not vary).
   """
   specs = tuple(jax.typeof(x).sharding.spec for x in leaves)
-  axes = tuple(mesh.axis_names)
+  sharded_on = {axis for spec in specs for entry in spec
+                for axis in (entry if isinstance(entry, tuple) else (entry,))
+                if axis is not None}
+  axes = tuple(a for a in mesh.axis_names if a in sharded_on)
 
   def check_shards(*shards):
-    finite = _all_finite_here(*shards).astype(jnp.int32)
-    return lax.pmin(finite, axes).astype(jnp.bool_)
+    finite = _all_finite_here(*shards)
+    if not axes:
+      return finite
+    return lax.pmin(finite.astype(jnp.int32), axes).astype(jnp.bool_)
 
   return _shard_map(check_shards, mesh, specs)(*leaves)
 

@@ -163,12 +163,13 @@ def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
     >>> ols.to_keras_config(ols.loss_scale_optimizer(optax.adam(1e-3)))
     {'dynamic': True, 'initial_scale': 32768.0, 'dynamic_growth_steps': 2000}
   """
-  if not isinstance(tx, LossScaledTransformation):
+  c = (getattr(tx, "loss_scale_config", None)
+       if isinstance(tx, LossScaledTransformation) else None)
+  if c is None:
     raise TypeError(
-        "`tx` must be made by `loss_scale_optimizer`, got"
-        f" {type(tx).__name__}."
+        "`tx` must be made by `loss_scale_optimizer` (with its `update`"
+        f" unchanged), got {type(tx).__name__}."
     )
-  c = tx.loss_scale_config
   extensions = {
       "growth_factor": (c.growth_factor, 2.0),
       "backoff_factor": (c.backoff_factor, 0.5),

@@ -1,5 +1,7 @@
 """`loss_scale_optimizer`: unscale, check, skip the inner update, adjust."""
 
+import inspect
+
 import jax
 import optax
 
@@ -13,31 +15,62 @@ from optax_lossscale._state import (
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
   """What :func:`loss_scale_optimizer` returns: an optax transformation that
-  also carries its validated configuration (``loss_scale_config``)."""
+  also carries its validated configuration (``loss_scale_config``).
 
-  loss_scale_config: _config.LossScaleConfig
+  The configuration is read from the ``update`` function it describes, so it
+  survives ``tx._replace(init=...)``, copies and pickling of the tuple, and
+  is gone only when ``update`` itself is replaced.
+  """
+
+  @property
+  def loss_scale_config(self) -> _config.LossScaleConfig:
+    config = getattr(self.update, "loss_scale_config", None)
+    if config is None:
+      raise AttributeError(
+          "This transformation's `update` is not the one"
+          " `loss_scale_optimizer` made (it was replaced), so it has no"
+          " `loss_scale_config`."
+      )
+    return config
+
+
+def _forwards_extra_args(update) -> bool:
+  """Whether `update` takes keyword arguments beyond optax's three."""
+  try:
+    parameters = inspect.signature(update).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
-  """Accepts what optax accepts: transformations, and `MultiSteps` objects."""
+  """Accepts what optax accepts: transformations, `MultiSteps` objects and
+  duck-typed objects with `init` and `update`. Extra args (``value=`` for
+  ``reduce_on_plateau``, ...) reach every `update` that takes ``**kwargs``;
+  a plain `GradientTransformation` whose `update` does not is given none,
+  as ``optax.with_extra_args_support`` does."""
   if isinstance(inner, LossScaledTransformation):
     raise ValueError(
         "`inner` is already loss-scaled (made by `loss_scale_optimizer`);"
         " wrapping it again would scale and skip twice. Pass the plain optax"
         " transformation instead."
     )
-  if isinstance(inner, optax.MultiSteps):
-    inner = inner.gradient_transformation()
   if not (callable(getattr(inner, "init", None))
           and callable(getattr(inner, "update", None))):
     raise TypeError(
         "`inner` must be an optax transformation (an object with `init` and"
-        f" `update`, e.g. `optax.adam(1e-3)`), got {inner!r} of type"
-        f" {type(inner).__name__}."
+        f" `update`, e.g. `optax.adam(1e-3)` or an `optax.MultiSteps`), got"
+        f" {inner!r} of type {type(inner).__name__}."
     )
-  if not isinstance(inner, optax.GradientTransformation):
-    inner = optax.GradientTransformation(inner.init, inner.update)
-  return optax.with_extra_args_support(inner)
+  if isinstance(inner, optax.GradientTransformationExtraArgs):
+    return inner
+  if _forwards_extra_args(inner.update):
+    # `MultiSteps.update(..., **extra_args)` and duck-typed objects: not
+    # through `.gradient_transformation()` + `with_extra_args_support`,
+    # which drops the extra args.
+    return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+  return optax.with_extra_args_support(
+      optax.GradientTransformation(inner.init, inner.update))
 
 
 def _refuse_nested_loss_scaling(inner_state) -> None:
@@ -180,9 +213,8 @@ def _loss_scale_optimizer_from_config(inner, config) -> LossScaledTransformation
         loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
-  tx = LossScaledTransformation(init_fn, update_fn)
-  tx.loss_scale_config = config
-  return tx
+  update_fn.loss_scale_config = config
+  return LossScaledTransformation(init_fn, update_fn)
 
 
 def _check_state_type(state) -> None:

@@ -160,7 +160,7 @@ def _unscaled_dtypes(updates, params):
   if params is None:
     params = updates  # each leaf keeps its own dtype
   else:
-    check_same_structure(updates, params)
+    params = check_same_structure(updates, params)
 
   def dtype(g, p):
     if g is None:
@@ -172,17 +172,25 @@ def _unscaled_dtypes(updates, params):
   return jax.tree.map(dtype, updates, params, is_leaf=_is_none)
 
 
-def check_same_structure(updates, params) -> None:
-  """A gradient tree that does not match the parameters fails at trace time,
-  whatever the inner transformation does with `params`."""
+def check_same_structure(updates, params):
+  """The params whose dtypes the unscaled gradients take: `params` itself,
+  or `params.fast` of an `optax.LookaheadParams` (`optax.lookahead` takes
+  gradients of the fast parameters alongside both). A gradient tree that
+  matches neither fails at trace time, whatever the inner transformation
+  does with `params`."""
   def structure(tree):
     return jax.tree.structure(tree, is_leaf=lambda x: x is None)
 
-  if structure(updates) != structure(params):
-    raise ValueError(
-        "The gradient tree must have the structure of `params`, got"
-        f" gradients {structure(updates)} and params {structure(params)}."
-    )
+  if structure(updates) == structure(params):
+    return params
+  if (isinstance(params, optax.LookaheadParams)
+      and structure(updates) == structure(params.fast)):
+    return params.fast
+  raise ValueError(
+      "The gradient tree must have the structure of `params` (or of"
+      " `params.fast` for `optax.lookahead`), got gradients"
+      f" {structure(updates)} and params {structure(params)}."
+  )
 
 
 def _unscale_leaf(g, out_dtype, scale_for):
@@ -205,6 +213,7 @@ def _unscale_leaf(g, out_dtype, scale_for):
 
 
 def check_scalar_state(state: LossScaleState) -> None:
+  """`update` and `scale_loss` need one scale; the read-outs take any."""
   shape = jnp.shape(state.loss_scale)
   if shape != ():
     raise ValueError(
@@ -213,5 +222,7 @@ def check_scalar_state(state: LossScaleState) -> None:
         " ensemble of optimizer states) is used outside of it: call"
         " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
         " member of the ensemble. A state replicated for `jax.pmap` is the"
-        " same: read it inside `pmap`, or index one replica."
+        " same: use it inside `pmap`, or index one replica. The read-outs"
+        " (`loss_scale`, `dynamic_counter`, `skip_stats`) accept such a"
+        " state and give one value per member."
     )

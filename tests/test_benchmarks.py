@@ -1,10 +1,15 @@
 """Smoke tests: each benchmark runs with `--tiny` and reports numbers.
 
 Timings are never asserted (shared, noisy machines); only that the scripts
-run end to end and return finite measurements.
+run end to end and return finite measurements, and, for the sharded
+benchmark, the structural claims of DESIGN.md's "Sharding" (op kinds
+counted in the compiled HLO, shardings, temporaries).
 """
 
+import contextlib
 import importlib.util
+import io
+import itertools
 import math
 import pathlib
 
@@ -41,7 +46,8 @@ def test_train_step_tiny(capsys):
   results = _load("train_step").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
   assert "overhead" in out
-  assert set(results) == {"mlp", "transformer"}
+  assert set(results) == {"mlp", "transformer", "transformer12"}
+  assert results["transformer12"]["leaves"] > results["transformer"]["leaves"]
   for r in results.values():
     assert r["plain_s"] > 0 and r["scaled_s"] > 0
     assert math.isfinite(r["overhead"]) and r["params"] > 0
@@ -58,3 +64,95 @@ def test_device_time_tiny(capsys):
     assert set(res) >= {"plain"} and len(res) >= 2
     for seconds, kernels in res.values():
       assert seconds > 0 and kernels > 0
+
+
+@pytest.fixture(scope="module")
+def sharded_tiny():
+  """One tiny run of benchmarks/sharded.py (8 devices, from conftest):
+  `(results, printed report)`."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    results = _load("sharded").main(["--tiny"])
+  return results, out.getvalue()
+
+
+def _by_case(results):
+  cases = {}
+  for r in results:
+    cases.setdefault((r["mesh"], r["layout"], r["opt"]), {})[r["recipe"]] = r
+  return cases
+
+
+def test_sharded_tiny_report(sharded_tiny):
+  results, out = sharded_tiny
+  assert "device: 8 x" in out and "jax" in out
+  cases = _by_case(results)
+  assert set(cases) == set(itertools.product(
+      ("auto", "explicit"), ("fsdp", "tp"), ("adam", "sgdm")))
+  kinds = {"all-gather", "all-reduce", "all-to-all", "collective-permute",
+           "reduce-scatter"}
+  for case, rows in cases.items():
+    assert set(rows) == {"plain", "ours", "jmp", "flax"}, case
+    assert rows["plain"]["error"] is None, case
+    assert rows["plain"]["ratio"] == pytest.approx(1.0)
+    assert rows["plain"]["shardings_kept"]
+    for recipe, r in rows.items():
+      if r["error"] is not None:   # reported in its row, not raised
+        assert f"{recipe:<6} error: " in out
+        continue
+      assert r["median_s"] > 0 and math.isfinite(r["ratio"]), (case, recipe)
+      assert math.isfinite(r["compile_ratio"])
+      assert set(r["collectives"]) == kinds
+      assert all(n >= 0 for n in r["collectives"].values())
+      assert r["temp_bytes"] >= 0 and r["wide_all_reduces"] >= 0
+      assert isinstance(r["shardings_kept"], bool)
+      assert r["sharded_leaves"] > 0
+
+
+def test_sharded_tiny_structural_claims(sharded_tiny):
+  """On Auto and Explicit meshes, FSDP and tensor-parallel, adam and sgd
+  with momentum, the loss-scaled step runs; its outputs keep plain optax's
+  shardings; it adds no collective that moves gradients (all-gather,
+  all-to-all, collective-permute, reduce-scatter), and at most a few
+  all-reduces, each of a scalar."""
+  results, _ = sharded_tiny
+  for case, rows in _by_case(results).items():
+    plain, ours = rows["plain"], rows["ours"]
+    assert ours["error"] is None, (case, ours["error"])
+    assert ours["shardings_kept"], (case, ours["differing"])
+    extra = ours["extra_collectives"]
+    for kind in ("all-gather", "all-to-all", "collective-permute",
+                 "reduce-scatter"):
+      assert extra[kind] <= 0, (case, kind, ours["collectives"],
+                                plain["collectives"])
+    assert extra["all-reduce"] <= 3, (case, ours["collectives"])
+    assert ours["wide_all_reduces"] <= plain["wide_all_reduces"], case
+
+
+def _assert_no_gradient_sized_temporary(results):
+  for case, rows in _by_case(results).items():
+    plain, ours = rows["plain"], rows["ours"]
+    # The smallest per-device shard of one float32 gradient leaf (fsdp: 8
+    # devices): a temporary this large would be a gradient-sized one.
+    shard_bytes = ours["size"] ** 2 * 4 // 8
+    assert ours["temp_bytes"] - plain["temp_bytes"] < shard_bytes, (
+        case, ours["temp_bytes"], plain["temp_bytes"])
+
+
+def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
+  """The loss-scaled step adds no gradient-sized temporary per device."""
+  _assert_no_gradient_sized_temporary(sharded_tiny[0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11: with shards of 2,048 elements per device (128x128"
+    " leaves over 8 devices), the Auto FSDP step materializes each gradient"
+    " shard; from 192x192 leaves up it does not")
+def test_sharded_small_shards_no_gradient_sized_temporary():
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    results = _load("sharded").main(
+        ["--tiny", "--size", "128", "--mesh", "auto", "--layout", "fsdp",
+         "--recipes", "ours", "--rounds", "1"])
+  _assert_no_gradient_sized_temporary(results)

@@ -21,6 +21,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import optax_lossscale as ols
 from optax_lossscale import _finite, _skip
 
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8,
+    reason="needs 8 devices (on CPU, the test set-up makes them)")
+
 MESHES = {
     "1d": ((8,), ("data",)),
     "2d": ((4, 2), ("data", "model")),

@@ -1,0 +1,62 @@
+"""Every script in examples/ runs at `--tiny` and trains in float16 with the
+loss scale reported (each well under a minute on a laptop CPU)."""
+
+import functools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+@functools.cache
+def _run(script: pathlib.Path) -> tuple[str, dict]:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+  proc = subprocess.run(
+      [sys.executable, str(script), "--tiny"], capture_output=True, text=True,
+      env=env, cwd=ROOT, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[-1].startswith("RESULT "), proc.stdout
+  return proc.stdout, json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_the_four_examples_are_there():
+  names = [p.name for p in EXAMPLES]
+  assert any(n.startswith("nnx_") and "mnist" not in n for n in names)
+  assert any(n.startswith("linen_trainstate_") for n in names)
+  assert any(n.startswith("equinox_") for n in names)
+  assert "nnx_mnist_tutorial_fp16.py" in names
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+def test_example_trains_in_float16(script):
+  stdout, result = _run(script)
+  first = result.get("first_loss", result.get("first_train_loss"))
+  last = result.get("last_loss", result.get("last_train_loss"))
+  assert last < first / 2, stdout
+  scale = result["loss_scale"]
+  assert scale >= 1 and scale == 2.0 ** round(math.log2(scale))
+  assert result["skipped"] >= 0
+  assert "scale" in stdout.splitlines()[0]  # logged while training
+  if "master_dtype" in result:
+    assert result["master_dtype"] == "float32"
+
+
+def test_converted_tutorial_learns_the_digits():
+  _, result = _run(ROOT / "examples" / "nnx_mnist_tutorial_fp16.py")
+  assert result["test_accuracy"] > 0.8  # chance is 0.1
+  assert result["compute_dtype"] == "float16"
+
+
+def test_nnx_example_sets_the_scale_on_the_split_state():
+  _, result = _run(ROOT / "examples" / "nnx_mlp_fp16.py")
+  assert result["loss_scale"] == 1024.0
