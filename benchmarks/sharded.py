@@ -42,7 +42,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
-jax.config.update("jax_num_cpu_devices", 8)
+if jax.config.jax_num_cpu_devices != 8:  # older jax refuses even a no-op
+  jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

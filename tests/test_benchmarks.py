@@ -13,6 +13,7 @@ import itertools
 import math
 import pathlib
 
+import jax
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
@@ -55,6 +56,10 @@ def test_train_step_tiny(capsys):
     assert r["compile_ratio"] > 0
 
 
+@pytest.mark.skipif(
+    jax.default_backend() == "cpu"
+    and tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8),
+    reason="jaxlib < 0.8 records no per-kernel events in CPU profiles")
 def test_device_time_tiny(capsys):
   results = _load("device_time").main(["--tiny"])
   out = capsys.readouterr().out
@@ -125,18 +130,30 @@ def test_sharded_tiny_structural_claims(sharded_tiny):
                  "reduce-scatter"):
       assert extra[kind] <= 0, (case, kind, ours["collectives"],
                                 plain["collectives"])
-    assert extra["all-reduce"] <= 3, (case, ours["collectives"])
+    # One pmin on an Explicit mesh; on an Auto mesh one scalar per leaf and
+    # mesh axis at most, which XLA from jax 0.8 on combines.
+    most = 1 if case[0] == "explicit" else ours["leaves"] * (
+        1 if case[1] == "fsdp" else 2)
+    assert extra["all-reduce"] <= most, (case, ours["collectives"])
     assert ours["wide_all_reduces"] <= plain["wide_all_reduces"], case
 
 
+_OLD_XLA = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8)
+
+
 def _assert_no_gradient_sized_temporary(results):
+  too_large = []
   for case, rows in _by_case(results).items():
     plain, ours = rows["plain"], rows["ours"]
     # The smallest per-device shard of one float32 gradient leaf (fsdp: 8
     # devices): a temporary this large would be a gradient-sized one.
     shard_bytes = ours["size"] ** 2 * 4 // 8
-    assert ours["temp_bytes"] - plain["temp_bytes"] < shard_bytes, (
-        case, ours["temp_bytes"], plain["temp_bytes"])
+    if ours["temp_bytes"] - plain["temp_bytes"] >= shard_bytes:
+      too_large.append((case, ours["temp_bytes"], plain["temp_bytes"]))
+  if _OLD_XLA and too_large and all(c[0][0] == "auto" for c in too_large):
+    pytest.xfail("open with jax < 0.8 on CPU: XLA materializes the input of"
+                 f" the per-leaf sum on Auto meshes: {too_large}")
+  assert not too_large
 
 
 def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):

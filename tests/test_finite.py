@@ -4,9 +4,11 @@ scale, in both of its formulations: large leaves of one shape read together
 and small leaves concatenated (CPU), and one reduction over groups of
 concatenated leaves (GPU and TPU)."""
 
+import functools
 import re
 
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -116,7 +118,7 @@ def _lowered_text(platform: str) -> str:
   # to be concatenated on CPU, and a small float16 leaf.
   tree = {"a": [jnp.ones(4096)] * 20, "b": jnp.ones((64, 64)),
           "c": jnp.ones(3, jnp.float16)}
-  exported = jax.export.export(jax.jit(ols.all_finite), platforms=[platform])
+  exported = export.export(jax.jit(ols.all_finite), platforms=[platform])
   return exported(tree).mlir_module()
 
 
@@ -154,7 +156,7 @@ def test_unscaled_check_matches_the_elementwise_definition(
   assert bool(finite) == elementwise_finite(unscaled)
 
 
-@jax.jit(static_argnums=3)
+@functools.partial(jax.jit, static_argnums=3)
 def _check(grads, state, params, config):
   return _unscale.unscale_check_adjust(grads, state, config, params)
 
@@ -286,9 +288,17 @@ def test_a_scale_set_below_one_under_a_floor_of_one_is_skipped_once():
   assert bool(ols.skip_stats(state).last_finite)
 
 
+def _enable_x64(on: bool):
+  # `jax.enable_x64` in newer jax, `jax.experimental.enable_x64` in older.
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax.experimental import enable_x64  # pylint: disable=g-import-not-at-top
+  return enable_x64(on)
+
+
 def test_float64_leaves_are_checked_by_their_own_exponent():
   """1e300 is finite in float64 (its exponent is not all ones)."""
-  with jax.enable_x64(True):
+  with _enable_x64(True):
     size = _finite._CONCATENATE_BELOW
     tree = [jnp.ones(size, jnp.float64).at[1].set(1e300)] * 3
     check = jax.jit(ols.all_finite)

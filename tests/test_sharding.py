@@ -138,8 +138,19 @@ def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
                                           collectives(ours["compiled"]))
   for kind in GATHERING:
     assert counts[kind] <= plain_counts[kind], (kind, counts)
-  assert counts["all-reduce"] <= plain_counts["all-reduce"] + 3
+  assert counts["all-reduce"] <= plain_counts["all-reduce"] + most_all_reduces(
+      layout, axis_type)
   assert all(t.endswith("[]") for t in reduced), reduced
+
+
+def most_all_reduces(layout, axis_type):
+  """The scalar all-reduces the check may add: one pmin on an Explicit mesh;
+  on an Auto mesh one per leaf and mesh axis (XLA from jax 0.8 on combines
+  them into one or two)."""
+  if axis_type == AxisType.Explicit:
+    return 1
+  mesh_name, specs = LAYOUTS[layout]
+  return len(specs) * len(MESHES[mesh_name][1])
 
 
 # Open, on CPU only: on an Auto mesh XLA on CPU splits the one-operand sum of
@@ -150,6 +161,10 @@ def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
 _TEMPORARY_OPEN = {
     (inner, "Auto", layout)
     for inner in INNERS for layout in ("fsdp_1d", "fsdp_2d", "tensor_parallel")}
+if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8):
+  # Older XLA on CPU does the same for a replicated leaf beside sharded ones.
+  _TEMPORARY_OPEN |= {(inner, "Auto", "replicated_and_sharded")
+                      for inner in INNERS}
 
 
 @pytest.mark.parametrize("layout,axis_type,inner", CASES)
