@@ -1,11 +1,11 @@
 """One boolean for a whole gradient tree."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from optax_lossscale import _placement
 
 
 def all_finite(tree) -> jax.Array:
@@ -36,7 +36,7 @@ def all_finite(tree) -> jax.Array:
     return jnp.ones([], jnp.bool_)
   local, explicit, auto = _by_placement(leaves)
   flags = [_all_finite_here(*local)] if local else []
-  # On a mesh the flag is reduced where each leaf lives, and only booleans
+  # On a mesh the flag is reduced where each leaf lives, and only scalars
   # cross devices: combining leaves sharded differently (a concatenation, an
   # element-wise max) would make XLA gather or reshard the gradients.
   flags += [_all_finite_on_mesh(mesh, group)
@@ -67,26 +67,14 @@ def _by_placement(leaves):
   """
   local, explicit, auto = [], {}, []
   for x in leaves:
-    mesh = _mesh_of(x)
-    if (mesh is None or not mesh.axis_names or math.prod(mesh.axis_sizes) == 1
-        or _all_axes(mesh, "Manual")):
+    mesh = _placement.mesh_of(x)
+    if _placement.on_one_device(mesh):
       local.append(x)
-    elif _all_axes(mesh, "Explicit"):
+    elif _placement.all_axes_are(mesh, "Explicit"):
       explicit.setdefault(mesh, []).append(x)
     else:
       auto.append(x)
   return local, explicit, auto
-
-
-def _mesh_of(x):
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  return getattr(sharding, "mesh", None)
-
-
-def _all_axes(mesh, kind: str) -> bool:
-  types = getattr(mesh, "axis_types", None) or ()
-  return bool(types) and all(
-      getattr(t, "name", str(t)) == kind for t in types)
 
 
 def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
@@ -116,12 +104,11 @@ def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
 def _reduced_where_it_lives(x) -> jax.Array:
   """Whether one leaf, whose sharding XLA picks later, is finite.
 
-  `sum(x - x)` is 0 for finite `x` and NaN otherwise, exactly. As a
-  one-operand sum of the leaf's own type, XLA's SPMD partitioner splits it
-  into one sum per shard and an all-reduce of a scalar, and XLA on CPU
-  fuses the difference into it (`x * 0` made it materialize the zeros); it gathers a two-operand reduction
-  (`_one_pass`) first, and on CPU materializes the input of a one-operand
-  integer or boolean reduction.
+  `sum(x - x)` is 0 for finite `x` and NaN otherwise, exactly. XLA's SPMD
+  partitioner splits this one-operand sum into one sum per shard and an
+  all-reduce of a scalar; a two-operand reduction (`_one_pass`) it gathers
+  first. The difference, unlike `x * 0`, needs no broadcast zeros, which
+  XLA on CPU materialized.
   """
   if x.dtype not in _EXPONENT_MASKS:  # complex and float8
     return jnp.all(jnp.isfinite(x))

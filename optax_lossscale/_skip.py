@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+from optax_lossscale import _placement
+
 try:  # name stacks and tracebacks of re-bound equations, for profiles
   from jax._src import source_info_util as _source_info
 except ImportError:  # pragma: no cover - the rewrite runs without them
@@ -80,9 +82,7 @@ def _zeros(aval) -> jax.Array:
   mesh (a select needs both cases sharded alike); elsewhere XLA places
   them."""
   sharding = getattr(aval, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  types = getattr(mesh, "axis_types", None) or ()
-  if types and any(getattr(t, "name", "") == "Explicit" for t in types):
+  if _placement.any_axis_is(getattr(sharding, "mesh", None), "Explicit"):
     return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding)
   return jnp.zeros(aval.shape, aval.dtype)
 
