@@ -54,7 +54,10 @@ def _is_nnx_variable(x) -> bool:
 def _unwrap(x):
   """An NNX Variable's value; anything else as it is."""
   if _is_nnx_variable(x):
-    return x.get_value()
+    # `get_value` in newer flax; `.value` in flax 0.12.0, the newest that
+    # installs with the oldest jax supported.
+    get_value = getattr(x, "get_value", None)
+    return get_value() if get_value is not None else x.value
   return x
 
 
@@ -332,7 +335,10 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
   new = jnp.where(usable, new, old.astype(SCALE_DTYPE))
 
   if _is_nnx_variable(held):
-    held.set_value(new)
+    if hasattr(held, "set_value"):
+      held.set_value(new)
+    else:  # flax 0.12.0
+      held.value = new
     return opt_state
 
   def replace(x):

@@ -35,6 +35,11 @@ class _NNXModel(nnx.Module):
     return self.out(self.dropout(h))
 
 
+
+
+# `nnx.as_pure` in newer flax, `nnx.pure` in flax 0.12.0.
+_as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 def _nnx_loss(model, x, y):
   return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
 
@@ -70,7 +75,7 @@ def test_nnx_readouts_accept_every_form_and_return_arrays():
   _nnx_step(model, optimizer, X, Y)
   graphdef, state = nnx.split(optimizer)
   forms = [optimizer, optimizer.opt_state, nnx.state(optimizer), state,
-           nnx.as_pure(state)]
+           _as_pure(state)]
   for form in forms:
     scale = ols.loss_scale(form)
     assert type(scale) is type(jnp.zeros(())) and scale == 256.0
@@ -137,7 +142,7 @@ def test_nnx_scale_loss_on_the_optimizer_inside_nnx_grad():
 def test_nnx_split_state_is_set_functionally_for_pure_state():
   model, optimizer = _nnx_setup(initial_scale=256.0)
   graphdef, state = nnx.split(optimizer)
-  pure = nnx.as_pure(state)
+  pure = _as_pure(state)
   new = ols.set_loss_scale(pure, 64.0)
   assert ols.loss_scale(new) == 64.0 and ols.loss_scale(pure) == 256.0
   merged = nnx.merge(graphdef, ols.set_loss_scale(state, 32.0))
