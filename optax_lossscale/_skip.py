@@ -81,19 +81,30 @@ def _zeros(aval) -> jax.Array:
   """Zeros of `aval`'s shape and dtype, sharded as it is on an `Explicit`
   mesh (a select needs both cases sharded alike); elsewhere XLA places
   them."""
+  return jnp.zeros(aval.shape, aval.dtype,
+                   out_sharding=_explicit_sharding(aval))
+
+
+def _explicit_sharding(aval):
+  """The sharding in `aval` where it is an `Explicit` mesh's, else None:
+  elsewhere XLA places the value."""
   sharding = getattr(aval, "sharding", None)
   if _placement.any_axis_is(getattr(sharding, "mesh", None), "Explicit"):
-    return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding)
-  return jnp.zeros(aval.shape, aval.dtype)
+    return sharding
+  return None
 
 
 def _select(finite, n, o):
   if _same_array_type(n, o):
     # What `jnp.where` computes, bound directly: a step selects every leaf
     # of its state and updates, and `jnp.where` traces a call of its own for
-    # each. The flag stays a scalar (a select allows that), so it needs no
-    # broadcast and no sharding of its own.
-    return lax.select_n(finite, o, n)
+    # each. The flag is broadcast as `jnp.where` broadcasts it (XLA on CPU
+    # ran a select with a scalar flag slower), sharded as the leaf on an
+    # `Explicit` mesh.
+    flag = lax.broadcast_in_dim(finite, jnp.shape(o), (),
+                                out_sharding=_explicit_sharding(
+                                    jax.typeof(o)))
+    return lax.select(flag, n, o)
   selected = jnp.where(finite, n, o)
   if jax.dtypes.issubdtype(jnp.result_type(o), jax.dtypes.extended):
     # Typed PRNG keys (optax.noisy_sgd's state): no `astype`, and `where`
