@@ -21,6 +21,7 @@ from packaging.version import Version
 
 import optax_lossscale as ols
 from optax_lossscale import _skip
+from test_skip import GRADS, PARAMS  # the trees the skip's own tests use
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -57,11 +58,6 @@ def test_the_test_extras_import_on_this_jax(module):
   # by an extra pinned for the oldest jax fails here, not in a later test.
   importlib.import_module(module)
 
-
-PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-          "b": jnp.linspace(0.5, 1.0, 4)}
-GRADS = {"w": jnp.linspace(0.3, -0.2, 12).reshape(3, 4),
-         "b": jnp.full(4, 0.25)}
 
 INNERS = {
     "adam": lambda: optax.adam(1e-2),
