@@ -23,9 +23,14 @@ from jax.profiler import ProfileData
 
 # The steps of the two other benchmarks, timed here on the device's clock.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import (  # noqa: E402
-    _fmt_count, _inner, _leaf_sizes, _make_params, _make_variant)
-from train_step import _data, _problems, _steps  # noqa: E402
+from overhead import (
+  _fmt_count,
+  _inner,
+  _leaf_sizes,
+  _make_params,
+  _make_variant,
+)
+from train_step import _data, _problems, _steps
 
 # Profiler bookkeeping on the XLA CPU client's threads, not computation.
 _CPU_BOOKKEEPING = ("end: ", "ThreadpoolListener", "ThunkExecutor")
@@ -36,12 +41,21 @@ def _kernel_events(path):
   data = ProfileData.from_file(path)
   device = [p for p in data.planes if p.name.startswith("/device:")]
   if device:
-    return [(e.name, e.duration_ns) for p in device for line in p.lines
-            for e in line.events]
-  return [(e.name, e.duration_ns) for p in data.planes
-          if p.name == "/host:CPU" for line in p.lines
-          if line.name.startswith("tf_XLA") for e in line.events
-          if not e.name.startswith(_CPU_BOOKKEEPING)]
+    return [
+      (e.name, e.duration_ns)
+      for p in device
+      for line in p.lines
+      for e in line.events
+    ]
+  return [
+    (e.name, e.duration_ns)
+    for p in data.planes
+    if p.name == "/host:CPU"
+    for line in p.lines
+    if line.name.startswith("tf_XLA")
+    for e in line.events
+    if not e.name.startswith(_CPU_BOOKKEEPING)
+  ]
 
 
 def device_time(step, state, steps):
@@ -55,7 +69,8 @@ def device_time(step, state, steps):
         state = step(*state)
       jax.block_until_ready(state)
     events = _kernel_events(
-        glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+      glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    )
   return sum(ns for _, ns in events) / steps / 1e9, len(events) / steps
 
 
@@ -68,10 +83,12 @@ def _post_gradient(n_params, n_leaves, steps):
     init, step = _make_variant(name, inner)
     params = _make_params(sizes)
     state = init(params)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, state, grads).compile()
-    out[name] = device_time(lambda p, s, c=compiled: c(p, s, grads),
-                            (params, state), steps)
+    compiled = (
+      jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    )
+    out[name] = device_time(
+      lambda p, s, c=compiled: c(p, s, grads), (params, state), steps
+    )
   return out
 
 
@@ -83,10 +100,14 @@ def _train_steps(tiny, steps):
     res = {}
     for name, (tx, step) in _steps(model, x, y).items():
       params = jax.tree.map(jnp.copy, params0)
-      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-          params, tx.init(params)).compile()
-      res[name] = device_time(lambda p, s, c=compiled: c(p, s)[:2],
-                              (params, tx.init(params)), steps)
+      compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, tx.init(params))
+        .compile()
+      )
+      res[name] = device_time(
+        lambda p, s, c=compiled: c(p, s)[:2], (params, tx.init(params)), steps
+      )
     out[model_name] = res
   return out
 
@@ -94,17 +115,26 @@ def _train_steps(tiny, steps):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tiny", action="store_true")
-  p.add_argument("--steps", type=int, default=None,
-                 help="traced steps per variant (default 20; 2 with --tiny)")
+  p.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="traced steps per variant (default 20; 2 with --tiny)",
+  )
   args = p.parse_args(argv)
   steps = args.steps or (2 if args.tiny else 20)
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}),"
-        f" jax {jax.__version__}; {steps} traced steps back to back")
-  print(f"{'step':<28} {'variant':<12} {'device us':>10} {'ratio':>6}"
-        f" {'kernels':>8}")
+  print(
+    f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}),"
+    f" jax {jax.__version__}; {steps} traced steps back to back"
+  )
+  print(
+    f"{'step':<28} {'variant':<12} {'device us':>10} {'ratio':>6}"
+    f" {'kernels':>8}"
+  )
   results = {}
-  configs = [(100_000, 10)] if args.tiny else [(10_000_000, 50),
-                                               (100_000_000, 10)]
+  configs = (
+    [(100_000, 10)] if args.tiny else [(10_000_000, 50), (100_000_000, 10)]
+  )
   for n_params, n_leaves in configs:
     label = f"post-gradient {_fmt_count(n_params)}/{n_leaves} adam"
     results[label] = _post_gradient(n_params, n_leaves, steps)
@@ -113,8 +143,11 @@ def main(argv=None):
   for label, res in results.items():
     base = res["plain"][0]
     for name, (seconds, kernels) in res.items():
-      print(f"{label:<28} {name:<12} {seconds * 1e6:10.1f}"
-            f" {seconds / base:6.2f} {kernels:8.1f}", flush=True)
+      print(
+        f"{label:<28} {name:<12} {seconds * 1e6:10.1f}"
+        f" {seconds / base:6.2f} {kernels:8.1f}",
+        flush=True,
+      )
   return results
 
 

@@ -39,18 +39,22 @@ from optax_lossscale import _rule
 SCALE = 2.0**15
 
 VARIANTS = (
-    "plain", "ours", "usual_where", "apply_if_finite",
-    "jmp", "flax",
+  "plain",
+  "ours",
+  "usual_where",
+  "apply_if_finite",
+  "jmp",
+  "flax",
 )
 DEFAULT_GRID = (
-    # (params, leaves, opt, grad dtype): each axis covered, not the product.
-    (10_000_000, 50, "adam", "float32"),
-    (10_000_000, 50, "adam", "float16"),
-    (1_000_000, 10, "adam", "float32"),
-    (1_000_000, 1000, "sgdm", "float32"),
-    (10_000_000, 1000, "sgdm", "float32"),
-    (10_000_000, 50, "sgdm", "float16"),
-    (100_000_000, 10, "adam", "float32"),
+  # (params, leaves, opt, grad dtype): each axis covered, not the product.
+  (10_000_000, 50, "adam", "float32"),
+  (10_000_000, 50, "adam", "float16"),
+  (1_000_000, 10, "adam", "float32"),
+  (1_000_000, 1000, "sgdm", "float32"),
+  (10_000_000, 1000, "sgdm", "float32"),
+  (10_000_000, 50, "sgdm", "float16"),
+  (100_000_000, 10, "adam", "float32"),
 )
 
 
@@ -75,6 +79,7 @@ def _make_variant(name: str, inner):
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
+
     return tx.init, step
 
   if name == "plain":
@@ -92,20 +97,27 @@ def _make_variant(name: str, inner):
     def step(params, state, grads):
       ls_state = state.loss_scale_state
       unscaled = jax.tree.map(
-          lambda g: (g.astype(jnp.float32) / ls_state.loss_scale).astype(
-              g.dtype), grads)
-      finite = jnp.all(jnp.stack(
-          [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled)]))
+        lambda g: (g.astype(jnp.float32) / ls_state.loss_scale).astype(g.dtype),
+        grads,
+      )
+      finite = jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled)])
+      )
       updates, inner_state = inner.update(unscaled, state.inner_state, params)
       updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
       inner_state = jax.tree.map(
-          lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
-          inner_state, state.inner_state)
+        lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+        inner_state,
+        state.inner_state,
+      )
       state = state._replace(
-          loss_scale_state=_rule.next_state(ls_state, finite,
-                                            tx.loss_scale_config),
-          inner_state=inner_state)
+        loss_scale_state=_rule.next_state(
+          ls_state, finite, tx.loss_scale_config
+        ),
+        inner_state=inner_state,
+      )
       return optax.apply_updates(params, updates), state
+
     return tx.init, step
   if name == "jmp":
     # jmp's loss-scale pytree cannot be passed to `jit(...).lower`, so the
@@ -125,41 +137,49 @@ def _make_variant(name: str, inner):
       params = jmp.select_tree(finite, new_params, params)
       opt_state = jmp.select_tree(finite, new_opt_state, opt_state)
       return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
+
     return init, step
   if name == "flax":
+
     def init(params):
       return inner.init(params), flax_dynamic_scale.DynamicScale(
-          scale=jnp.float32(SCALE))
+        scale=jnp.float32(SCALE)
+      )
 
     def step(params, state, grads):
       # The post-gradient part of `DynamicScale.value_and_grad` (its unscale,
       # finite check and adjustment), then the select of params and opt
       # state as the flax examples write it.
       opt_state, ds = state
-      grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / ds.scale,
-                           grads)
+      grads = jax.tree.map(
+        lambda g: jnp.asarray(g, jnp.float32) / ds.scale, grads
+      )
       finite = jnp.array(True)
       for g in jax.tree.leaves(grads):
         finite &= jnp.all(jax.lax.is_finite(g))
       grow = ds.fin_steps == ds.growth_interval
       fin_scale = jnp.where(
-          grow & finite,
-          jnp.minimum(ds.scale * ds.growth_factor,
-                      jnp.finfo(jnp.float32).max),
-          ds.scale)
+        grow & finite,
+        jnp.minimum(ds.scale * ds.growth_factor, jnp.finfo(jnp.float32).max),
+        ds.scale,
+      )
       inf_scale = ds.scale * ds.backoff_factor
       if ds.minimum_scale is not None:
         inf_scale = jnp.maximum(inf_scale, ds.minimum_scale)
       ds = ds.replace(
-          scale=jnp.where(finite, fin_scale, inf_scale),
-          fin_steps=jnp.where(grow | (~finite), 0, ds.fin_steps + 1))
+        scale=jnp.where(finite, fin_scale, inf_scale),
+        fin_steps=jnp.where(grow | (~finite), 0, ds.fin_steps + 1),
+      )
       updates, new_opt_state = inner.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
-      params = jax.tree.map(lambda n, o: jnp.where(finite, n, o),
-                            new_params, params)
-      opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o),
-                               new_opt_state, opt_state)
+      params = jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o), new_params, params
+      )
+      opt_state = jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state
+      )
       return params, (opt_state, ds)
+
     return init, step
   raise ValueError(f"unknown variant {name!r}")
 
@@ -187,8 +207,17 @@ def best_compile(step, args, repeats):
   return compiled, best
 
 
-def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
-               out=print, chained=0, compile_repeats=3):
+def run_config(
+  n_params,
+  n_leaves,
+  opt,
+  grad_dtype,
+  variants,
+  rounds,
+  out=print,
+  chained=0,
+  compile_repeats=3,
+):
   """Benchmarks one configuration; returns {variant: result dict}."""
   inner = _inner(opt)
   sizes = _leaf_sizes(n_params, n_leaves)
@@ -199,8 +228,7 @@ def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
     params = _make_params(sizes)
     state = init(params)
     try:
-      c, compile_s = best_compile(step, (params, state, grads),
-                                  compile_repeats)
+      c, compile_s = best_compile(step, (params, state, grads), compile_repeats)
     except Exception as e:  # pylint: disable=broad-except
       # optax.apply_if_finite with float16 gradients and float32 params:
       # its cond branches disagree on dtypes (an optax limitation).
@@ -209,14 +237,18 @@ def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
       continue
     text = c.as_text()
     mem = c.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem else float(
-        "nan")
+    temp = (
+      getattr(mem, "temp_size_in_bytes", float("nan")) if mem else float("nan")
+    )
     compiled[name] = c
     # Warm-up, excluded from timing.
     states[name] = jax.block_until_ready(c(params, state, grads))
     results[name] = dict(
-        compile_s=compile_s, copies=text.count(" copy("), temp_bytes=temp,
-        times=[])
+      compile_s=compile_s,
+      copies=text.count(" copy("),
+      temp_bytes=temp,
+      times=[],
+    )
   for _ in range(rounds):
     for name in variants:
       params, state = states[name]
@@ -236,19 +268,27 @@ def run_config(n_params, n_leaves, opt, grad_dtype, variants, rounds,
       jax.block_until_ready((params, state))
       results[name]["chained"].append((time.perf_counter() - t0) / chained)
       states[name] = (params, state)
-  base = statistics.median(results["plain"]["times"]) if "plain" in results \
-      else None
-  base_chained = (statistics.median(results["plain"]["chained"])
-                  if chained and "plain" in results else None)
+  base = (
+    statistics.median(results["plain"]["times"]) if "plain" in results else None
+  )
+  base_chained = (
+    statistics.median(results["plain"]["chained"])
+    if chained and "plain" in results
+    else None
+  )
   base_compile = results.get("plain", {}).get("compile_s")
   for name in variants:
     r = results[name]
     r["median_s"] = statistics.median(r["times"])
     r["ratio"] = r["median_s"] / base if base else float("nan")
-    r["chained_ratio"] = (statistics.median(r["chained"]) / base_chained
-                          if base_chained else float("nan"))
-    r["compile_ratio"] = (r["compile_s"] / base_compile if base_compile
-                          else float("nan"))
+    r["chained_ratio"] = (
+      statistics.median(r["chained"]) / base_chained
+      if base_chained
+      else float("nan")
+    )
+    r["compile_ratio"] = (
+      r["compile_s"] / base_compile if base_compile else float("nan")
+    )
   del states, compiled
   return results
 
@@ -260,32 +300,67 @@ def _fmt_count(n):
   return str(n)
 
 
+def _affinity() -> int | str:
+  """How many cores this process may run on, where the OS says."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return "?"
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--tiny", action="store_true",
-                 help="one tiny configuration, a few rounds (seconds)")
-  p.add_argument("--full", action="store_true",
-                 help="the whole product of --params x --leaves x --opt x"
-                 " --grad-dtype (default: a grid covering each axis)")
-  p.add_argument("--params", nargs="+", default=None,
-                 help="parameter counts, e.g. 1M 10M 100M")
+  p.add_argument(
+    "--tiny",
+    action="store_true",
+    help="one tiny configuration, a few rounds (seconds)",
+  )
+  p.add_argument(
+    "--full",
+    action="store_true",
+    help="the whole product of --params x --leaves x --opt x"
+    " --grad-dtype (default: a grid covering each axis)",
+  )
+  p.add_argument(
+    "--params",
+    nargs="+",
+    default=None,
+    help="parameter counts, e.g. 1M 10M 100M",
+  )
   p.add_argument("--leaves", nargs="+", type=int, default=None)
   p.add_argument("--opt", nargs="+", choices=("adam", "sgdm"), default=None)
-  p.add_argument("--grad-dtype", nargs="+", choices=("float32", "float16"),
-                 default=None)
-  p.add_argument("--variants", nargs="+", choices=VARIANTS,
-                 default=list(VARIANTS))
-  p.add_argument("--all-recipes", action="store_true",
-                 help="also run the jmp and flax recipes above 100 leaves"
-                 " (their compile time grows steeply: minutes at 1000 leaves)")
-  p.add_argument("--chained", type=int, default=0, metavar="K",
-                 help="also time K steps back to back (one block at the end)")
-  p.add_argument("--compile-repeats", type=int, default=None,
-                 help="compilations per variant, the fastest counts"
-                 " (default 3; 1 with --tiny)")
-  p.add_argument("--rounds", type=int, default=None,
-                 help="timed rounds per configuration (default 15; 5 at"
-                 " 100M params; 3 with --tiny)")
+  p.add_argument(
+    "--grad-dtype", nargs="+", choices=("float32", "float16"), default=None
+  )
+  p.add_argument(
+    "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS)
+  )
+  p.add_argument(
+    "--all-recipes",
+    action="store_true",
+    help="also run the jmp and flax recipes above 100 leaves"
+    " (their compile time grows steeply: minutes at 1000 leaves)",
+  )
+  p.add_argument(
+    "--chained",
+    type=int,
+    default=0,
+    metavar="K",
+    help="also time K steps back to back (one block at the end)",
+  )
+  p.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=None,
+    help="compilations per variant, the fastest counts"
+    " (default 3; 1 with --tiny)",
+  )
+  p.add_argument(
+    "--rounds",
+    type=int,
+    default=None,
+    help="timed rounds per configuration (default 15; 5 at"
+    " 100M params; 3 with --tiny)",
+  )
   args = p.parse_args(argv)
   variants = list(args.variants)
   if "plain" not in variants:
@@ -294,57 +369,85 @@ def main(argv=None):
   if args.tiny:
     grid = [(100_000, 10, "adam", "float32")]
   elif args.full or any(
-      x is not None for x in (args.params, args.leaves, args.opt,
-                              args.grad_dtype)):
-    grid = list(itertools.product(
+    x is not None for x in (args.params, args.leaves, args.opt, args.grad_dtype)
+  ):
+    grid = list(
+      itertools.product(
         [_parse_count(x) for x in (args.params or ["1M", "10M", "100M"])],
         args.leaves or [10, 50, 1000],
         args.opt or ["adam", "sgdm"],
-        args.grad_dtype or ["float32", "float16"]))
+        args.grad_dtype or ["float32", "float16"],
+      )
+    )
   else:
     grid = list(DEFAULT_GRID)
 
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}),"
-        f" jax {jax.__version__}, optax {optax.__version__},"
-        f" cpu threads: {os.cpu_count()}"
-        f" (affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})")
-  print("time: median ratio to plain; compile: ratio of the fastest of"
-        " several lowerings and compilations; copies: ' copy(' ops in the"
-        " compiled HLO; temp: memory_analysis() temp MB"
-        + (f"; chained: ratio for {args.chained} steps back to back"
-           if args.chained else ""))
-  header = (f"{'params':>6} {'leaves':>6} {'opt':>4} {'grad':>7}"
-            f" {'variant':<16} {'ms':>8} {'time':>6} {'compile':>7}"
-            f" {'copies':>6} {'temp MB':>8}"
-            + (f" {'chained':>7}" if args.chained else ""))
+  print(
+    f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}),"
+    f" jax {jax.__version__}, optax {optax.__version__},"
+    f" cpu threads: {os.cpu_count()} (affinity {_affinity()})"
+  )
+  print(
+    "time: median ratio to plain; compile: ratio of the fastest of"
+    " several lowerings and compilations; copies: ' copy(' ops in the"
+    " compiled HLO; temp: memory_analysis() temp MB"
+    + (
+      f"; chained: ratio for {args.chained} steps back to back"
+      if args.chained
+      else ""
+    )
+  )
+  header = (
+    f"{'params':>6} {'leaves':>6} {'opt':>4} {'grad':>7}"
+    f" {'variant':<16} {'ms':>8} {'time':>6} {'compile':>7}"
+    f" {'copies':>6} {'temp MB':>8}"
+    + (f" {'chained':>7}" if args.chained else "")
+  )
   print(header)
   all_results = []
   for n_params, n_leaves, opt, grad_dtype in grid:
-    rounds = args.rounds or (3 if args.tiny else
-                             5 if n_params >= 50_000_000 else 15)
+    rounds = args.rounds or (
+      3 if args.tiny else 5 if n_params >= 50_000_000 else 15
+    )
     ran = list(variants)
     if n_leaves > 100 and not args.all_recipes:
       for name in ("jmp", "flax"):
         if name in ran:
           ran.remove(name)
-          print(f"  {name}: not run above 100 leaves (compile takes minutes;"
-                " --all-recipes runs it)")
-    res = run_config(n_params, n_leaves, opt, grad_dtype, ran, rounds,
-                     chained=args.chained,
-                     compile_repeats=args.compile_repeats or (
-                         1 if args.tiny else 3))
+          print(
+            f"  {name}: not run above 100 leaves (compile takes minutes;"
+            " --all-recipes runs it)"
+          )
+    res = run_config(
+      n_params,
+      n_leaves,
+      opt,
+      grad_dtype,
+      ran,
+      rounds,
+      chained=args.chained,
+      compile_repeats=args.compile_repeats or (1 if args.tiny else 3),
+    )
     for name in ran:
       r = res[name]
-      print(f"{_fmt_count(n_params):>6} {n_leaves:>6} {opt:>4}"
-            f" {grad_dtype:>7} {name:<16} {r['median_s'] * 1e3:8.2f}"
-            f" {r['ratio']:6.2f} {r['compile_ratio']:7.2f}"
-            f" {r['copies']:6d} {r['temp_bytes'] / 1e6:8.1f}"
-            + (f" {r['chained_ratio']:7.2f}" if args.chained else ""),
-            flush=True)
-      all_results.append(dict(
-          params=n_params, leaves=n_leaves, opt=opt, grad_dtype=grad_dtype,
+      print(
+        f"{_fmt_count(n_params):>6} {n_leaves:>6} {opt:>4}"
+        f" {grad_dtype:>7} {name:<16} {r['median_s'] * 1e3:8.2f}"
+        f" {r['ratio']:6.2f} {r['compile_ratio']:7.2f}"
+        f" {r['copies']:6d} {r['temp_bytes'] / 1e6:8.1f}"
+        + (f" {r['chained_ratio']:7.2f}" if args.chained else ""),
+        flush=True,
+      )
+      all_results.append(
+        dict(
+          params=n_params,
+          leaves=n_leaves,
+          opt=opt,
+          grad_dtype=grad_dtype,
           variant=name,
-          **{k: v for k, v in r.items() if k not in ("times", "chained")}))
+          **{k: v for k, v in r.items() if k not in ("times", "chained")},
+        )
+      )
   return all_results
 
 

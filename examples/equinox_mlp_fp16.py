@@ -27,7 +27,8 @@ import optax_lossscale as ols
 def to_float16(tree):
   """Floating-point arrays to float16; everything else as it is."""
   return jax.tree.map(
-      lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, tree)
+    lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, tree
+  )
 
 
 class MLP(eqx.Module):
@@ -37,9 +38,11 @@ class MLP(eqx.Module):
 
   def __init__(self, din: int, width: int, key, compute_dtype="float16"):
     k1, k2, k3 = jax.random.split(key, 3)
-    self.layers = [eqx.nn.Linear(din, width, key=k1),
-                   eqx.nn.Linear(width, width, key=k2),
-                   eqx.nn.Linear(width, 1, key=k3)]
+    self.layers = [
+      eqx.nn.Linear(din, width, key=k1),
+      eqx.nn.Linear(width, width, key=k2),
+      eqx.nn.Linear(width, 1, key=k3),
+    ]
     self.activation = jax.nn.gelu
     self.compute_dtype = compute_dtype
 
@@ -80,31 +83,38 @@ def main(argv=None) -> dict:
   @eqx.filter_jit
   def make_step(model, opt_state, xb, yb):
     loss, grads = ols.value_and_grad(
-        loss_fn, grad_fn=eqx.filter_value_and_grad)(opt_state, model, xb, yb)
+      loss_fn, grad_fn=eqx.filter_value_and_grad
+    )(opt_state, model, xb, yb)
     updates, opt_state = optim.update(
-        grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+      grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+    )
     model = eqx.apply_updates(model, updates)
     return model, opt_state, loss
 
   losses = []
   for step in range(steps):
     i = step % 16
-    model, opt_state, loss = make_step(model, opt_state,
-                                       x[i * batch:(i + 1) * batch],
-                                       y[i * batch:(i + 1) * batch])
+    model, opt_state, loss = make_step(
+      model,
+      opt_state,
+      x[i * batch : (i + 1) * batch],
+      y[i * batch : (i + 1) * batch],
+    )
     losses.append(float(loss))
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
-      print(f"step {step:5d}  loss {loss:.4f}"
-            f"  scale {ols.loss_scale(opt_state):.0f}"
-            f"  skipped {int(ols.skip_stats(opt_state).total_skipped)}")
+      print(
+        f"step {step:5d}  loss {loss:.4f}"
+        f"  scale {ols.loss_scale(opt_state):.0f}"
+        f"  skipped {int(ols.skip_stats(opt_state).total_skipped)}"
+      )
 
   result = {
-      "first_loss": float(np.mean(losses[:10])),
-      "last_loss": float(np.mean(losses[-10:])),
-      "loss_scale": float(ols.loss_scale(opt_state)),
-      "skipped": int(ols.skip_stats(opt_state).total_skipped),
-      "master_dtype": str(model.layers[0].weight.dtype),
-      "steps": steps,
+    "first_loss": float(np.mean(losses[:10])),
+    "last_loss": float(np.mean(losses[-10:])),
+    "loss_scale": float(ols.loss_scale(opt_state)),
+    "skipped": int(ols.skip_stats(opt_state).total_skipped),
+    "master_dtype": str(model.layers[0].weight.dtype),
+    "steps": steps,
   }
   print("RESULT " + json.dumps(result))
   return result

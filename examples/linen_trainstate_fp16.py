@@ -57,52 +57,64 @@ def main(argv=None) -> dict:
   model = Classifier()
   variables = model.init(jax.random.key(0), x[:2], train=False)
   state = TrainState.create(
-      apply_fn=model.apply, params=variables["params"],
-      batch_stats=variables["batch_stats"],
-      tx=ols.loss_scale_optimizer(optax.adam(1e-3)))
+    apply_fn=model.apply,
+    params=variables["params"],
+    batch_stats=variables["batch_stats"],
+    tx=ols.loss_scale_optimizer(optax.adam(1e-3)),
+  )
 
   def loss_fn(params, batch_stats, xb, yb):
     logits, updates = state.apply_fn(
-        {"params": params, "batch_stats": batch_stats}, xb, train=True,
-        mutable=["batch_stats"])
+      {"params": params, "batch_stats": batch_stats},
+      xb,
+      train=True,
+      mutable=["batch_stats"],
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), yb).mean()  # reduced in float32
+      logits.astype(jnp.float32), yb
+    ).mean()  # reduced in float32
     return loss, updates["batch_stats"]
 
   @jax.jit
   def train_step(state, xb, yb):
     # `state` is where the loss-scale state sits: the TrainState itself.
     (loss, batch_stats), grads = ols.value_and_grad(loss_fn, has_aux=True)(
-        state, state.params, state.batch_stats, xb, yb)
+      state, state.params, state.batch_stats, xb, yb
+    )
     state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
     return state, loss
 
   @jax.jit
   def accuracy(state, xb, yb):
     logits = state.apply_fn(
-        {"params": state.params, "batch_stats": state.batch_stats}, xb,
-        train=False)
+      {"params": state.params, "batch_stats": state.batch_stats},
+      xb,
+      train=False,
+    )
     return jnp.mean(jnp.argmax(logits, -1) == yb)
 
   losses = []
   for step in range(steps):
     i = step % 8
-    state, loss = train_step(state, x[i * batch:(i + 1) * batch],
-                             labels[i * batch:(i + 1) * batch])
+    state, loss = train_step(
+      state, x[i * batch : (i + 1) * batch], labels[i * batch : (i + 1) * batch]
+    )
     losses.append(float(loss))
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
-      print(f"step {step:5d}  loss {loss:.4f}"
-            f"  scale {ols.loss_scale(state):.0f}"
-            f"  skipped {int(ols.skip_stats(state).total_skipped)}")
+      print(
+        f"step {step:5d}  loss {loss:.4f}"
+        f"  scale {ols.loss_scale(state):.0f}"
+        f"  skipped {int(ols.skip_stats(state).total_skipped)}"
+      )
 
   result = {
-      "first_loss": float(np.mean(losses[:10])),
-      "last_loss": float(np.mean(losses[-10:])),
-      "accuracy": float(accuracy(state, x, labels)),
-      "loss_scale": float(ols.loss_scale(state)),
-      "skipped": int(ols.skip_stats(state).total_skipped),
-      "master_dtype": str(jax.tree.leaves(state.params)[0].dtype),
-      "steps": steps,
+    "first_loss": float(np.mean(losses[:10])),
+    "last_loss": float(np.mean(losses[-10:])),
+    "accuracy": float(accuracy(state, x, labels)),
+    "loss_scale": float(ols.loss_scale(state)),
+    "skipped": int(ols.skip_stats(state).total_skipped),
+    "master_dtype": str(jax.tree.leaves(state.params)[0].dtype),
+    "steps": steps,
   }
   print("RESULT " + json.dumps(result))
   return result

@@ -56,38 +56,43 @@ def main(argv=None) -> dict:
 
   model = MLP(din, 64, rngs=nnx.Rngs(0, dropout=1))
   optimizer = nnx.Optimizer(
-      model, ols.loss_scale_optimizer(optax.adam(3e-3)), wrt=nnx.Param)
+    model, ols.loss_scale_optimizer(optax.adam(3e-3)), wrt=nnx.Param
+  )
   graphdef, state = nnx.split((model, optimizer))
 
   @jax.jit
   def train_step(state, xb, yb):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)(
-        optimizer, model, xb, yb)
+      optimizer, model, xb, yb
+    )
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
   losses = []
   for step in range(steps):
     i = step % 16
-    state, loss = train_step(state, x[i * batch:(i + 1) * batch],
-                             y[i * batch:(i + 1) * batch])
+    state, loss = train_step(
+      state, x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+    )
     losses.append(float(loss))
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
       # Read-outs take the split state; they return plain arrays.
-      print(f"step {step:5d}  loss {loss:.4f}"
-            f"  scale {ols.loss_scale(state):.0f}"
-            f"  skipped {int(ols.skip_stats(state).total_skipped)}")
+      print(
+        f"step {step:5d}  loss {loss:.4f}"
+        f"  scale {ols.loss_scale(state):.0f}"
+        f"  skipped {int(ols.skip_stats(state).total_skipped)}"
+      )
 
   # Checkpoint surgery on the split state, then back into objects.
   state = ols.set_loss_scale(state, 1024.0)
   _, optimizer = nnx.merge(graphdef, state)
   result = {
-      "first_loss": float(np.mean(losses[:10])),
-      "last_loss": float(np.mean(losses[-10:])),
-      "loss_scale": float(ols.loss_scale(optimizer)),
-      "skipped": int(ols.skip_stats(optimizer).total_skipped),
-      "steps": steps,
+    "first_loss": float(np.mean(losses[:10])),
+    "last_loss": float(np.mean(losses[-10:])),
+    "loss_scale": float(ols.loss_scale(optimizer)),
+    "skipped": int(ols.skip_stats(optimizer).total_skipped),
+    "steps": steps,
   }
   print("RESULT " + json.dumps(result))
   return result

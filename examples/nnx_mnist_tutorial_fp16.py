@@ -52,7 +52,7 @@ def make_batches(ds, batch_size, *, epochs=1, seed=0):
   for epoch in range(epochs):
     order = rng.permutation(n) if epoch else np.arange(n)
     for i in range(0, n - batch_size + 1, batch_size):  # drop the last
-      idx = order[i:i + batch_size]
+      idx = order[i : i + batch_size]
       yield {"image": ds["image"][idx], "label": ds["label"][idx]}
 
 
@@ -75,8 +75,9 @@ class CNN(nnx.Module):
     self.linear2 = nnx.Linear(256, 10, dtype=f16, rngs=rngs)
 
   def __call__(self, x, rngs: nnx.Rngs | None = None):
-    x = self.avg_pool(nnx.relu(self.batch_norm1(
-        self.dropout1(self.conv1(x), rngs=rngs))))
+    x = self.avg_pool(
+      nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs)))
+    )
     x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
     x = x.reshape(x.shape[0], -1)  # flatten
     x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
@@ -90,16 +91,23 @@ class CNN(nnx.Module):
 def loss_fn(model: CNN, batch, rngs: nnx.Rngs | None = None):
   logits = model(batch["image"], rngs).astype(jnp.float32)
   loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits=logits, labels=batch["label"]).mean()
+    logits=logits, labels=batch["label"]
+  ).mean()
   return loss, logits
 
 
 @nnx.jit
-def train_step(model: CNN, optimizer: nnx.Optimizer,
-               metrics: nnx.MultiMetric, rngs: nnx.Rngs, batch):
+def train_step(
+  model: CNN,
+  optimizer: nnx.Optimizer,
+  metrics: nnx.MultiMetric,
+  rngs: nnx.Rngs,
+  batch,
+):
   """Train for a single step."""
-  grad_fn = ols.value_and_grad(loss_fn, has_aux=True,
-                               grad_fn=nnx.value_and_grad)
+  grad_fn = ols.value_and_grad(
+    loss_fn, has_aux=True, grad_fn=nnx.value_and_grad
+  )
   (loss, logits), grads = grad_fn(optimizer, model, batch, rngs)
   metrics.update(loss=loss, logits=logits, labels=batch["label"])
   optimizer.update(model, grads)  # unscale, check, skip or apply, adjust
@@ -124,24 +132,26 @@ def main(argv=None) -> dict:
   learning_rate = 0.005
   momentum = 0.9
   optimizer = nnx.Optimizer(
-      model, ols.loss_scale_optimizer(optax.adamw(learning_rate, momentum)),
-      wrt=nnx.Param)
+    model,
+    ols.loss_scale_optimizer(optax.adamw(learning_rate, momentum)),
+    wrt=nnx.Param,
+  )
   metrics = nnx.MultiMetric(
-      accuracy=nnx.metrics.Accuracy(),
-      loss=nnx.metrics.Average("loss"),
+    accuracy=nnx.metrics.Accuracy(),
+    loss=nnx.metrics.Average("loss"),
   )
 
   # 6. Views: dropout and batch statistics on for training, off for eval.
-  train_model = nnx.view(model, deterministic=False,
-                         use_running_average=False)
+  train_model = nnx.view(model, deterministic=False, use_running_average=False)
   eval_model = nnx.view(model, deterministic=True, use_running_average=True)
 
   # 7. Train and evaluate the model.
   history = []
   rngs = nnx.Rngs(0)
   epochs = train_steps // (len(train_ds["label"]) // batch_size) + 1
-  for step, batch in enumerate(make_batches(train_ds, batch_size,
-                                            epochs=epochs)):
+  for step, batch in enumerate(
+    make_batches(train_ds, batch_size, epochs=epochs)
+  ):
     if step >= train_steps:
       break
     train_step(train_model, optimizer, metrics, rngs, batch)
@@ -152,24 +162,31 @@ def main(argv=None) -> dict:
         eval_step(eval_model, metrics, test_batch)
       test = {k: float(v) for k, v in metrics.compute().items()}
       metrics.reset()
-      history.append({"step": step, "train_loss": train["loss"],
-                      "test_loss": test["loss"],
-                      "test_accuracy": test["accuracy"]})
-      print(f"step {step:5d}  train_loss {train['loss']:.4f}"
-            f"  test_loss {test['loss']:.4f}"
-            f"  test_accuracy {test['accuracy']:.3f}"
-            f"  loss_scale {ols.loss_scale(optimizer):.0f}"
-            f"  skipped {int(ols.skip_stats(optimizer).total_skipped)}")
+      history.append(
+        {
+          "step": step,
+          "train_loss": train["loss"],
+          "test_loss": test["loss"],
+          "test_accuracy": test["accuracy"],
+        }
+      )
+      print(
+        f"step {step:5d}  train_loss {train['loss']:.4f}"
+        f"  test_loss {test['loss']:.4f}"
+        f"  test_accuracy {test['accuracy']:.3f}"
+        f"  loss_scale {ols.loss_scale(optimizer):.0f}"
+        f"  skipped {int(ols.skip_stats(optimizer).total_skipped)}"
+      )
 
   result = {
-      "first_train_loss": history[0]["train_loss"],
-      "last_train_loss": history[-1]["train_loss"],
-      "test_accuracy": history[-1]["test_accuracy"],
-      "loss_scale": float(ols.loss_scale(optimizer)),
-      "skipped": int(ols.skip_stats(optimizer).total_skipped),
-      "master_dtype": str(model.linear1.kernel[...].dtype),
-      "compute_dtype": str(model.linear1.dtype.__name__),
-      "steps": train_steps,
+    "first_train_loss": history[0]["train_loss"],
+    "last_train_loss": history[-1]["train_loss"],
+    "test_accuracy": history[-1]["test_accuracy"],
+    "loss_scale": float(ols.loss_scale(optimizer)),
+    "skipped": int(ols.skip_stats(optimizer).total_skipped),
+    "master_dtype": str(model.linear1.kernel[...].dtype),
+    "compute_dtype": str(model.linear1.dtype.__name__),
+    "steps": train_steps,
   }
   print("RESULT " + json.dumps(result))
   return result

@@ -60,16 +60,17 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 try:
   import optax_lossscale as ols
 except ImportError:  # run from a checkout without installing it
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))))
+  sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  )
   import optax_lossscale as ols
 
 RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_dynamic_g5")
@@ -77,18 +78,31 @@ RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_dynamic_g5")
 # Standard-library modules whose source is the corpus (present in every
 # CPython 3.11+; the text differs slightly between versions).
 CORPUS_FILES = (
-    "argparse.py", "textwrap.py", "difflib.py", "typing.py", "inspect.py",
-    "dataclasses.py", "functools.py", "pathlib.py", "shutil.py",
-    "subprocess.py", "tarfile.py", "zipfile/__init__.py", "logging/__init__.py",
-    "json/decoder.py", "json/encoder.py", "collections/__init__.py",
+  "argparse.py",
+  "textwrap.py",
+  "difflib.py",
+  "typing.py",
+  "inspect.py",
+  "dataclasses.py",
+  "functools.py",
+  "pathlib.py",
+  "shutil.py",
+  "subprocess.py",
+  "tarfile.py",
+  "zipfile/__init__.py",
+  "logging/__init__.py",
+  "json/decoder.py",
+  "json/encoder.py",
+  "collections/__init__.py",
 )
 
-F16_TINY = 2.0**-24          # smallest positive (subnormal) float16
-F16_NORMAL_MIN = 2.0**-14    # smallest positive normal float16
+F16_TINY = 2.0**-24  # smallest positive (subnormal) float16
+F16_NORMAL_MIN = 2.0**-14  # smallest positive normal float16
 F16_MAX = 65504.0
 
 
 # ---------------------------------------------------------------- data
+
 
 def load_corpus(max_chars: int | None = None):
   """Stdlib source text as int32 tokens; vocabulary: printable ASCII,
@@ -111,19 +125,20 @@ def load_corpus(max_chars: int | None = None):
 
 # ---------------------------------------------------------------- model
 
+
 def init_params(key, vocab, context, embed, width, depth):
   keys = jax.random.split(key, depth + 2)
   params = {"embed": 0.5 * jax.random.normal(keys[0], (vocab, embed))}
   fan_in = context * embed
   for i in range(depth):
     params[f"h{i}"] = {
-        "w": jax.random.normal(keys[i + 1], (fan_in, width)) / np.sqrt(fan_in),
-        "b": jnp.zeros((width,)),
+      "w": jax.random.normal(keys[i + 1], (fan_in, width)) / np.sqrt(fan_in),
+      "b": jnp.zeros((width,)),
     }
     fan_in = width
   params["out"] = {
-      "w": jax.random.normal(keys[-1], (fan_in, vocab)) / np.sqrt(fan_in),
-      "b": jnp.zeros((vocab,)),
+    "w": jax.random.normal(keys[-1], (fan_in, vocab)) / np.sqrt(fan_in),
+    "b": jnp.zeros((vocab,)),
   }
   return params
 
@@ -133,8 +148,7 @@ def apply(params, x, depth, taps=None):
   ``taps`` (zeros, one per pre-activation and one for the logits) exist only
   so that the gradients w.r.t. activations can be read off."""
   dtype = params["embed"].dtype
-  tap = (lambda i: 0) if taps is None else (
-      lambda i: taps[i].astype(dtype))
+  tap = (lambda i: 0) if taps is None else (lambda i: taps[i].astype(dtype))
   h = params["embed"][x].reshape(x.shape[0], -1)
   for i in range(depth):
     layer = params[f"h{i}"]
@@ -160,6 +174,7 @@ def loss_fn(params, x, y, taps=None, *, depth, compute_dtype, replicas=1):
 
 # ---------------------------------------------------------------- training
 
+
 def make_batch(key, tokens, batch, context):
   starts = jax.random.randint(key, (batch,), 0, tokens.shape[0] - context - 1)
   idx = starts[:, None] + jnp.arange(context + 1)[None, :]
@@ -170,6 +185,7 @@ def make_batch(key, tokens, batch, context):
 # A run is described by a spec: ``dtype`` ("float32" or "float16") and, for
 # the loss-scaled runs, ``dynamic``, ``initial_scale`` and ``growth_steps``
 # (None: the default 2000), the arguments of ``loss_scale_optimizer``.
+
 
 def fp32_spec():
   return {"dtype": "float32"}
@@ -184,9 +200,12 @@ def static_spec(scale):
 
 
 def dynamic_spec(scale=None, growth_steps=None):
-  return {"dtype": "float16", "dynamic": True,
-          "initial_scale": None if scale is None else float(scale),
-          "growth_steps": growth_steps}
+  return {
+    "dtype": "float16",
+    "dynamic": True,
+    "initial_scale": None if scale is None else float(scale),
+    "growth_steps": growth_steps,
+  }
 
 
 def _scaled(spec):
@@ -199,10 +218,13 @@ def make_optimizer(spec, lr):
     return inner
   if spec["dynamic"]:
     return ols.loss_scale_optimizer(
-        inner, initial_scale=spec["initial_scale"],
-        dynamic_growth_steps=spec["growth_steps"])
-  return ols.loss_scale_optimizer(inner, dynamic=False,
-                                  initial_scale=spec["initial_scale"])
+      inner,
+      initial_scale=spec["initial_scale"],
+      dynamic_growth_steps=spec["growth_steps"],
+    )
+  return ols.loss_scale_optimizer(
+    inner, dynamic=False, initial_scale=spec["initial_scale"]
+  )
 
 
 def _scale_of(spec, opt_state):
@@ -213,8 +235,9 @@ def _scale_of(spec, opt_state):
 
 def _loss(spec, cfg):
   dtype = jnp.float32 if spec["dtype"] == "float32" else jnp.float16
-  return functools.partial(loss_fn, depth=cfg["depth"], compute_dtype=dtype,
-                           replicas=cfg["replicas"])
+  return functools.partial(
+    loss_fn, depth=cfg["depth"], compute_dtype=dtype, replicas=cfg["replicas"]
+  )
 
 
 def grads_for(spec, params, opt_state, x, y, cfg):
@@ -234,7 +257,8 @@ def _zero_taps(params, x, depth):
   width = params["h0"]["w"].shape[1]
   vocab = params["out"]["w"].shape[1]
   return [jnp.zeros((x.shape[0], width))] * depth + [
-      jnp.zeros((x.shape[0], vocab))]
+    jnp.zeros((x.shape[0], vocab))
+  ]
 
 
 def flush_stats(spec, params, opt_state, x, y, cfg):
@@ -251,15 +275,17 @@ def flush_stats(spec, params, opt_state, x, y, cfg):
   g32 = _flat(jax.grad(f32)(params, x, y))
   nz = g32 != 0
   out = {
-      "below_tiny": jnp.sum(nz & (jnp.abs(g32) * scale < F16_TINY)) / nz.sum(),
-      "below_normal": (jnp.sum(nz & (jnp.abs(g32) * scale < F16_NORMAL_MIN))
-                       / nz.sum()),
+    "below_tiny": jnp.sum(nz & (jnp.abs(g32) * scale < F16_TINY)) / nz.sum(),
+    "below_normal": (
+      jnp.sum(nz & (jnp.abs(g32) * scale < F16_NORMAL_MIN)) / nz.sum()
+    ),
   }
   taps = _zero_taps(params, x, cfg["depth"])
   a32 = _flat(jax.grad(f32, argnums=3)(params, x, y, taps))
   anz = a32 != 0
-  out["act_below_normal"] = (jnp.sum(anz & (jnp.abs(a32) * scale
-                                            < F16_NORMAL_MIN)) / anz.sum())
+  out["act_below_normal"] = (
+    jnp.sum(anz & (jnp.abs(a32) * scale < F16_NORMAL_MIN)) / anz.sum()
+  )
   if spec["dtype"] == "float32":
     for k in ("flushed", "nonfinite", "act_flushed", "act_nonfinite"):
       out[k] = jnp.float32(jnp.nan)
@@ -269,8 +295,9 @@ def flush_stats(spec, params, opt_state, x, y, cfg):
   out["flushed"] = jnp.sum(nz & (g16 == 0)) / nz.sum()
   out["nonfinite"] = jnp.mean(~jnp.isfinite(g16))
   f16 = _loss(spec, cfg)
-  a16 = _flat(jax.grad(lambda *a: f16(*a) * scale, argnums=3)(
-      params, x, y, taps))
+  a16 = _flat(
+    jax.grad(lambda *a: f16(*a) * scale, argnums=3)(params, x, y, taps)
+  )
   out["act_flushed"] = jnp.sum(anz & (a16 == 0)) / anz.sum()
   out["act_nonfinite"] = jnp.mean(~jnp.isfinite(a16))
   return out
@@ -337,10 +364,22 @@ def evaluate(params, x, y, depth):
 
 
 DEFAULTS = dict(
-    steps=40, batch=131072, context=8, embed=16, width=32, depth=4,
-    lr=3e-3, static_scale=2.0**10, dynamic_scale=2.0**15, growth_steps=5,
-    replicas=1, seed=0, chunk=10, n_checkpoints=2, eval_tokens=32768,
-    max_chars=None,
+  steps=40,
+  batch=131072,
+  context=8,
+  embed=16,
+  width=32,
+  depth=4,
+  lr=3e-3,
+  static_scale=2.0**10,
+  dynamic_scale=2.0**15,
+  growth_steps=5,
+  replicas=1,
+  seed=0,
+  chunk=10,
+  n_checkpoints=2,
+  eval_tokens=32768,
+  max_chars=None,
 )
 
 
@@ -358,21 +397,30 @@ def prepare(steps=DEFAULTS["steps"], **overrides):
   train, held = jnp.asarray(tokens_np[:split]), jnp.asarray(tokens_np[split:])
   key = jax.random.PRNGKey(cfg["seed"])
   k_init, k_data, k_eval, k_probe = jax.random.split(key, 4)
-  params0 = init_params(k_init, vocab, cfg["context"], cfg["embed"],
-                        cfg["width"], cfg["depth"])
+  params0 = init_params(
+    k_init, vocab, cfg["context"], cfg["embed"], cfg["width"], cfg["depth"]
+  )
   # Flush statistics after 1/k, 2/k, ..., k/k of the training (k =
   # n_checkpoints), on one fixed training batch.
-  checkpoints = sorted(set(
+  checkpoints = sorted(
+    set(
       np.linspace(0, n_chunks, cfg["n_checkpoints"] + 1)[1:]
-      .round().astype(int).tolist()))
+      .round()
+      .astype(int)
+      .tolist()
+    )
+  )
   return {
-      "cfg": cfg, "train": train, "params0": params0,
-      "eval": make_batch(k_eval, held, cfg["eval_tokens"], cfg["context"]),
-      "probe": make_batch(k_probe, train, cfg["batch"], cfg["context"]),
-      "keys": jax.random.split(k_data, cfg["steps"]).reshape(
-          n_chunks, chunk_len, -1),
-      "checkpoints": checkpoints,
-      "eval_fn": jax.jit(functools.partial(evaluate, depth=cfg["depth"])),
+    "cfg": cfg,
+    "train": train,
+    "params0": params0,
+    "eval": make_batch(k_eval, held, cfg["eval_tokens"], cfg["context"]),
+    "probe": make_batch(k_probe, train, cfg["batch"], cfg["context"]),
+    "keys": jax.random.split(k_data, cfg["steps"]).reshape(
+      n_chunks, chunk_len, -1
+    ),
+    "checkpoints": checkpoints,
+    "eval_fn": jax.jit(functools.partial(evaluate, depth=cfg["depth"])),
   }
 
 
@@ -391,34 +439,41 @@ def train(setup, spec, progress=None, name="", keep_params=False) -> dict:
   losses, scales, skipped, flush = [], [], [], []
   for c in range(len(keys) + 1):
     if c in setup["checkpoints"]:
-      stats = {k: float(v) for k, v in
-               flush_fn(params, opt_state, *setup["probe"]).items()}
+      stats = {
+        k: float(v)
+        for k, v in flush_fn(params, opt_state, *setup["probe"]).items()
+      }
       flush.append({"step": c * cfg["chunk"], **stats})
     if c == len(keys):
       break
-    (params, opt_state), (l, s, k) = chunk(params, opt_state, keys[c])
-    losses.append(np.asarray(l))
+    (params, opt_state), (loss, s, k) = chunk(params, opt_state, keys[c])
+    losses.append(np.asarray(loss))
     scales.append(np.asarray(s))
     skipped.append(np.asarray(k))
     if progress is not None:
       progress(name, cfg["chunk"])
   scales = np.concatenate(scales)
-  eval_loss, eval_acc = (float(v) for v in
-                         setup["eval_fn"](params, *setup["eval"]))
+  eval_loss, eval_acc = (
+    float(v) for v in setup["eval_fn"](params, *setup["eval"])
+  )
   init = float(_scale_of(spec, tx.init(setup["params0"])))
   prev = np.concatenate([[init], scales[:-1]])
   mean = lambda k: float(np.mean([f[k] for f in flush]))  # noqa: E731
   rec = {
-      "spec": spec, "loss": np.concatenate(losses), "scale": scales,
-      "skipped": np.concatenate(skipped), "eval_loss": eval_loss,
-      "eval_acc": eval_acc, "flush": flush,
-      "flushed_mean": mean("flushed"),
-      "act_flushed_mean": mean("act_flushed"),
-      "act_nonfinite_mean": mean("act_nonfinite"),
-      "initial_scale": init,
-      "backoffs": int(np.sum(scales < prev)),
-      "growths": int(np.sum(scales > prev)),
-      "final_scale": float(scales[-1]),
+    "spec": spec,
+    "loss": np.concatenate(losses),
+    "scale": scales,
+    "skipped": np.concatenate(skipped),
+    "eval_loss": eval_loss,
+    "eval_acc": eval_acc,
+    "flush": flush,
+    "flushed_mean": mean("flushed"),
+    "act_flushed_mean": mean("act_flushed"),
+    "act_nonfinite_mean": mean("act_nonfinite"),
+    "initial_scale": init,
+    "backoffs": int(np.sum(scales < prev)),
+    "growths": int(np.sum(scales > prev)),
+    "final_scale": float(scales[-1]),
   }
   rec["skipped_total"] = int(rec["skipped"].sum())
   rec["seconds"] = time.perf_counter() - t0
@@ -429,17 +484,21 @@ def train(setup, spec, progress=None, name="", keep_params=False) -> dict:
 
 def main_specs(cfg):
   return {
-      "fp32": fp32_spec(),
-      "fp16": fp16_spec(),
-      "fp16_static": static_spec(cfg["static_scale"]),
-      "fp16_dynamic": dynamic_spec(),
-      "fp16_dynamic_g5": dynamic_spec(cfg["dynamic_scale"],
-                                      cfg["growth_steps"]),
+    "fp32": fp32_spec(),
+    "fp16": fp16_spec(),
+    "fp16_static": static_spec(cfg["static_scale"]),
+    "fp16_dynamic": dynamic_spec(),
+    "fp16_dynamic_g5": dynamic_spec(cfg["dynamic_scale"], cfg["growth_steps"]),
   }
 
 
-def run_study(steps: int = DEFAULTS["steps"], runs=RUNS, progress=None,
-              keep_params: bool = False, **overrides) -> dict:
+def run_study(
+  steps: int = DEFAULTS["steps"],
+  runs=RUNS,
+  progress=None,
+  keep_params: bool = False,
+  **overrides,
+) -> dict:
   """The main job: trains the five runs. Returns ``config``, ``runs`` (per
   run, what ``train`` returns), ``summary`` rows for the table, and the
   ``probe_batch`` the flush statistics use."""
@@ -451,15 +510,17 @@ def run_study(steps: int = DEFAULTS["steps"], runs=RUNS, progress=None,
     out["runs"][run] = train(setup, specs[run], progress, run, keep_params)
   ref = out["runs"].get("fp32")
   out["summary"] = [
-      {
-          "run": run, "eval_loss": r["eval_loss"], "eval_acc": r["eval_acc"],
-          "vs_fp32": (r["eval_loss"] - ref["eval_loss"]) if ref else
-          float("nan"),
-          "flushed_pct": 100 * r["flushed_mean"],
-          "act_flushed_pct": 100 * r["act_flushed_mean"],
-          "skipped": r["skipped_total"], "final_scale": r["final_scale"],
-      }
-      for run, r in out["runs"].items()
+    {
+      "run": run,
+      "eval_loss": r["eval_loss"],
+      "eval_acc": r["eval_acc"],
+      "vs_fp32": (r["eval_loss"] - ref["eval_loss"]) if ref else float("nan"),
+      "flushed_pct": 100 * r["flushed_mean"],
+      "act_flushed_pct": 100 * r["act_flushed_mean"],
+      "skipped": r["skipped_total"],
+      "final_scale": r["final_scale"],
+    }
+    for run, r in out["runs"].items()
   ]
   out["probe_batch"] = setup["probe"]
   return out
@@ -468,22 +529,47 @@ def run_study(steps: int = DEFAULTS["steps"], runs=RUNS, progress=None,
 # ---------------------------------------------------------------- sweep
 
 SWEEP = dict(
-    steps=100,
-    # static scales 2**0, 2**2, ..., 2**30, and every power of two at the
-    # window's edges
-    static_log2=(0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 22,
-                 24, 26, 28, 30),
-    # dynamic runs: (initial scale, growth interval; None = Keras's 2000)
-    dynamic=((1.0, 20), (2.0**15, 20), (2.0**32, 20),
-             (2.0**15, None), (2.0**32, None)),
-    # the usable window: held-out loss within this of float32 (nats/char)
-    tol=0.005,
-    # the data-parallel token mean: replicas sharing one global mean
-    replicas=64,
-    divergence=("fp32", "fp16", "fp16_dynamic"),
-    # the sawtooth: longer, growth every 20 finite steps against 2000
-    sawtooth_steps=300,
-    sawtooth=((2.0**15, 20), (2.0**15, None)),
+  steps=100,
+  # static scales 2**0, 2**2, ..., 2**30, and every power of two at the
+  # window's edges
+  static_log2=(
+    0,
+    1,
+    2,
+    3,
+    4,
+    6,
+    8,
+    10,
+    12,
+    14,
+    16,
+    17,
+    18,
+    19,
+    20,
+    22,
+    24,
+    26,
+    28,
+    30,
+  ),
+  # dynamic runs: (initial scale, growth interval; None = Keras's 2000)
+  dynamic=(
+    (1.0, 20),
+    (2.0**15, 20),
+    (2.0**32, 20),
+    (2.0**15, None),
+    (2.0**32, None),
+  ),
+  # the usable window: held-out loss within this of float32 (nats/char)
+  tol=0.005,
+  # the data-parallel token mean: replicas sharing one global mean
+  replicas=64,
+  divergence=("fp32", "fp16", "fp16_dynamic"),
+  # the sawtooth: longer, growth every 20 finite steps against 2000
+  sawtooth_steps=300,
+  sawtooth=((2.0**15, 20), (2.0**15, None)),
 )
 
 
@@ -525,9 +611,11 @@ def landing(rec, window):
   if not inside.any():
     return None
   first = int(np.argmax(inside))
-  return {"steps": first + 1,
-          "skips": int(rec["skipped"][:first + 1].sum()),
-          "stays": float(inside[first:].mean())}
+  return {
+    "steps": first + 1,
+    "skips": int(rec["skipped"][: first + 1].sum()),
+    "stays": float(inside[first:].mean()),
+  }
 
 
 def run_sweep(sweep=SWEEP, progress=None, **overrides) -> dict:
@@ -541,18 +629,23 @@ def run_sweep(sweep=SWEEP, progress=None, **overrides) -> dict:
   out = finish_sweep({"config": cfg, "sweep": dict(sweep), "runs": runs})
   if sweep["sawtooth_steps"]:
     setup = prepare(sweep["sawtooth_steps"], n_checkpoints=1, **overrides)
-    specs = {"fp32": fp32_spec(), **{
-        _dyn_name(*sg): dynamic_spec(*sg) for sg in sweep["sawtooth"]}}
-    out["sawtooth"] = {name: train(setup, spec, progress, f"saw {name}")
-                       for name, spec in specs.items()}
+    specs = {
+      "fp32": fp32_spec(),
+      **{_dyn_name(*sg): dynamic_spec(*sg) for sg in sweep["sawtooth"]},
+    }
+    out["sawtooth"] = {
+      name: train(setup, spec, progress, f"saw {name}")
+      for name, spec in specs.items()
+    }
   # Data-parallel: each replica's loss is divided by the global count.
   R = sweep["replicas"]
   if R:
     setup = prepare(sweep["steps"], n_checkpoints=1, replicas=R, **overrides)
     specs = main_specs(setup["cfg"])
     out["replicas"] = {
-        name: train(setup, specs[name], progress, f"R={R} {name}")
-        for name in sweep["divergence"]}
+      name: train(setup, specs[name], progress, f"R={R} {name}")
+      for name in sweep["divergence"]
+    }
   return out
 
 
@@ -560,18 +653,22 @@ def finish_sweep(out):
   """Adds the window, the best static scale and the dynamic runs' landings
   to a sweep result, from its runs."""
   runs = out["runs"]
-  static = {r["initial_scale"]: r for k, r in runs.items()
-            if k.startswith("static")}
+  static = {
+    r["initial_scale"]: r for k, r in runs.items() if k.startswith("static")
+  }
   static = dict(sorted(static.items()))
   out["window"] = out["best_static"] = None
   if static:
-    out["window"] = find_window(static, runs["fp32"]["eval_loss"],
-                                out["sweep"]["tol"])
+    out["window"] = find_window(
+      static, runs["fp32"]["eval_loss"], out["sweep"]["tol"]
+    )
     out["best_static"] = min(static, key=lambda s: static[s]["eval_loss"])
   if out["window"] is not None:
     out["landing"] = {
-        name: landing(r, out["window"]) for name, r in runs.items()
-        if name.startswith("dyn ")}
+      name: landing(r, out["window"])
+      for name, r in runs.items()
+      if name.startswith("dyn ")
+    }
   return out
 
 
@@ -583,10 +680,18 @@ def merge_sweeps(outs):
   for o in outs:
     for k, r in o["runs"].items():
       runs.setdefault(k, r)
-  key = lambda k: (k.startswith("dyn"), runs[k]["initial_scale"]  # noqa
-                   if k.startswith("static") else -1)
-  merged = {"config": outs[0]["config"], "sweep": dict(outs[0]["sweep"]),
-            "runs": {k: runs[k] for k in sorted(runs, key=key)}}
+
+  def key(k):
+    return (
+      k.startswith("dyn"),
+      runs[k]["initial_scale"] if k.startswith("static") else -1,
+    )
+
+  merged = {
+    "config": outs[0]["config"],
+    "sweep": dict(outs[0]["sweep"]),
+    "runs": {k: runs[k] for k in sorted(runs, key=key)},
+  }
   for o in outs:
     for part in ("sawtooth", "replicas"):
       if part in o:
@@ -595,31 +700,37 @@ def merge_sweeps(outs):
 
 
 def sweep_steps(sweep=SWEEP):
-  n = len(sweep_runs(sweep)) + (len(sweep["divergence"])
-                                if sweep["replicas"] else 0)
+  n = len(sweep_runs(sweep)) + (
+    len(sweep["divergence"]) if sweep["replicas"] else 0
+  )
   saw = (1 + len(sweep["sawtooth"])) * sweep["sawtooth_steps"]
   return n * sweep["steps"] + saw
 
 
 # ---------------------------------------------------------------- report
 
+
 def format_table(result) -> str:
   lines = [
-      f"{'run':<14}{'eval loss':>10}{'vs fp32':>9}{'acc %':>7}"
-      f"{'flushed % (param / act)':>25}{'skipped':>9}{'final scale':>13}",
+    f"{'run':<14}{'eval loss':>10}{'vs fp32':>9}{'acc %':>7}"
+    f"{'flushed % (param / act)':>25}{'skipped':>9}{'final scale':>13}",
   ]
   for row in result["summary"]:
-    flushed = ("-" if np.isnan(row["flushed_pct"])
-               else f"{row['flushed_pct']:.3f} / {row['act_flushed_pct']:.2f}")
+    flushed = (
+      "-"
+      if np.isnan(row["flushed_pct"])
+      else f"{row['flushed_pct']:.3f} / {row['act_flushed_pct']:.2f}"
+    )
     lines.append(
-        f"{row['run']:<14}{row['eval_loss']:>10.4f}{row['vs_fp32']:>+9.4f}"
-        f"{100 * row['eval_acc']:>7.2f}{flushed:>25}{row['skipped']:>9d}"
-        f"{row['final_scale']:>13g}")
+      f"{row['run']:<14}{row['eval_loss']:>10.4f}{row['vs_fp32']:>+9.4f}"
+      f"{100 * row['eval_acc']:>7.2f}{flushed:>25}{row['skipped']:>9d}"
+      f"{row['final_scale']:>13g}"
+    )
   return "\n".join(lines)
 
 
 def pow2(x):
-  """"2**k" for a power of two."""
+  """ "2**k" for a power of two."""
   return f"2**{math.log2(x):g}"
 
 
@@ -630,23 +741,32 @@ def format_scales(result) -> str:
     if r is None:
       continue
     spec = r["spec"]
-    how = (f"dynamic from {pow2(r['initial_scale'])}, growth every "
-           f"{spec['growth_steps'] or 2000} finite steps" if spec["dynamic"]
-           else f"static {pow2(r['initial_scale'])}")
+    how = (
+      f"dynamic from {pow2(r['initial_scale'])}, growth every "
+      f"{spec['growth_steps'] or 2000} finite steps"
+      if spec["dynamic"]
+      else f"static {pow2(r['initial_scale'])}"
+    )
     n = len(r["scale"])
     at = sorted({0, 1, 2, 4, 8, n // 4, n // 2, 3 * n // 4, n - 1})
     traj = ", ".join(f"{i + 1}:{pow2(r['scale'][i])}" for i in at if i < n)
     lines.append(f"{run} ({how}): scale after step {traj}")
-    lines.append(f"  backoffs {r['backoffs']}, growths {r['growths']},"
-                 f" skipped steps {r['skipped_total']}")
-  lines.append("flushed % of activation (param) gradients per checkpoint,"
-               " fp16 / static / dynamic / dynamic_g5:")
+    lines.append(
+      f"  backoffs {r['backoffs']}, growths {r['growths']},"
+      f" skipped steps {r['skipped_total']}"
+    )
+  lines.append(
+    "flushed % of activation (param) gradients per checkpoint,"
+    " fp16 / static / dynamic / dynamic_g5:"
+  )
   runs = [result["runs"][k] for k in RUNS[1:] if k in result["runs"]]
   if runs:
     for i, f in enumerate(runs[0]["flush"]):
       vals = " / ".join(
-          f"{100 * r['flush'][i]['act_flushed']:.2f}"
-          f" ({100 * r['flush'][i]['flushed']:.3f})" for r in runs)
+        f"{100 * r['flush'][i]['act_flushed']:.2f}"
+        f" ({100 * r['flush'][i]['flushed']:.3f})"
+        for r in runs
+      )
       lines.append(f"  step {f['step']}: {vals}")
   return "\n".join(lines)
 
@@ -654,73 +774,96 @@ def format_scales(result) -> str:
 def format_sweep(out) -> str:
   cfg, sw = out["config"], out["sweep"]
   ref = out["runs"]["fp32"]["eval_loss"]
-  lines = [f"{cfg['steps']} steps, {cfg['batch']} tokens per mean; usable:"
-           f" held-out loss within {sw['tol']} of fp32 ({ref:.4f})",
-           f"{'run':<16}{'eval loss':>10}{'vs fp32':>9}{'act flushed %':>14}"
-           f"{'act overflow %':>15}{'skipped %':>10}{'final scale':>12}"
-           f"{'backoffs':>9}{'growths':>8}"]
+  lines = [
+    f"{cfg['steps']} steps, {cfg['batch']} tokens per mean; usable:"
+    f" held-out loss within {sw['tol']} of fp32 ({ref:.4f})",
+    f"{'run':<16}{'eval loss':>10}{'vs fp32':>9}{'act flushed %':>14}"
+    f"{'act overflow %':>15}{'skipped %':>10}{'final scale':>12}"
+    f"{'backoffs':>9}{'growths':>8}",
+  ]
   for name, r in out["runs"].items():
-    fl = ("-" if np.isnan(r["act_flushed_mean"])
-          else f"{100 * r['act_flushed_mean']:.2f}")
-    ov = ("-" if np.isnan(r["act_nonfinite_mean"])
-          else f"{100 * r['act_nonfinite_mean']:.2f}")
+    fl = (
+      "-"
+      if np.isnan(r["act_flushed_mean"])
+      else f"{100 * r['act_flushed_mean']:.2f}"
+    )
+    ov = (
+      "-"
+      if np.isnan(r["act_nonfinite_mean"])
+      else f"{100 * r['act_nonfinite_mean']:.2f}"
+    )
     lines.append(
-        f"{name:<16}{r['eval_loss']:>10.4f}{r['eval_loss'] - ref:>+9.4f}"
-        f"{fl:>14}{ov:>15}"
-        f"{100 * r['skipped_total'] / len(r['skipped']):>10.1f}"
-        f"{pow2(r['final_scale']):>12}{r['backoffs']:>9}{r['growths']:>8}")
+      f"{name:<16}{r['eval_loss']:>10.4f}{r['eval_loss'] - ref:>+9.4f}"
+      f"{fl:>14}{ov:>15}"
+      f"{100 * r['skipped_total'] / len(r['skipped']):>10.1f}"
+      f"{pow2(r['final_scale']):>12}{r['backoffs']:>9}{r['growths']:>8}"
+    )
   w = out["window"]
   if w is None:
     lines.append("no static scale is usable")
   else:
-    lines.append(f"window: {pow2(w[0])} .. {pow2(w[1])} "
-                 f"({math.log2(w[1] / w[0]):g} octaves); best static "
-                 f"{pow2(out['best_static'])}")
+    lines.append(
+      f"window: {pow2(w[0])} .. {pow2(w[1])} "
+      f"({math.log2(w[1] / w[0]):g} octaves); best static "
+      f"{pow2(out['best_static'])}"
+    )
     for name, land in out["landing"].items():
       r = out["runs"][name]
       if land is None:
-        lines.append(f"  {name}: never in the window (ends at "
-                     f"{pow2(r['final_scale'])})")
+        lines.append(
+          f"  {name}: never in the window (ends at {pow2(r['final_scale'])})"
+        )
       else:
         lines.append(
-            f"  {name}: in the window after {land['steps']} steps "
-            f"({land['skips']} skipped), stays {100 * land['stays']:.0f}% of"
-            f" the rest; {r['skipped_total']} skipped in all")
+          f"  {name}: in the window after {land['steps']} steps "
+          f"({land['skips']} skipped), stays {100 * land['stays']:.0f}% of"
+          f" the rest; {r['skipped_total']} skipped in all"
+        )
   if "sawtooth" in out:
     saw = out["sawtooth"]
     ref_s = saw["fp32"]["eval_loss"]
     lines.append(f"sawtooth, {len(saw['fp32']['loss'])} steps:")
     for name, r in saw.items():
       lines.append(
-          f"  {name:<16} eval {r['eval_loss']:.4f}"
-          f" ({r['eval_loss'] - ref_s:+.4f}); skipped {r['skipped_total']},"
-          f" backoffs {r['backoffs']}, growths {r['growths']}, final scale"
-          f" {pow2(r['final_scale'])}, skipped at steps "
-          f"{(np.nonzero(r['skipped'])[0] + 1).tolist()}")
+        f"  {name:<16} eval {r['eval_loss']:.4f}"
+        f" ({r['eval_loss'] - ref_s:+.4f}); skipped {r['skipped_total']},"
+        f" backoffs {r['backoffs']}, growths {r['growths']}, final scale"
+        f" {pow2(r['final_scale'])}, skipped at steps "
+        f"{(np.nonzero(r['skipped'])[0] + 1).tolist()}"
+      )
   if "replicas" in out:
     rr = out["replicas"]
     R = out["sweep"]["replicas"]
-    lines.append(f"data-parallel token mean: each of {R} replicas divides "
-                 f"its {cfg['batch']} tokens' loss by {R * cfg['batch']}")
+    lines.append(
+      f"data-parallel token mean: each of {R} replicas divides "
+      f"its {cfg['batch']} tokens' loss by {R * cfg['batch']}"
+    )
     ref_r = rr["fp32"]["eval_loss"]
     for name, r in rr.items():
       lo = r["loss"]
-      fl = ("-" if np.isnan(r["act_flushed_mean"])
-            else f"{100 * r['act_flushed_mean']:.2f}")
+      fl = (
+        "-"
+        if np.isnan(r["act_flushed_mean"])
+        else f"{100 * r['act_flushed_mean']:.2f}"
+      )
       lines.append(
-          f"  {name:<13} eval {r['eval_loss']:.4f}"
-          f" ({r['eval_loss'] - ref_r:+.4f})"
-          f", train loss min {lo.min():.4f} at step {int(lo.argmin()) + 1},"
-          f" last {lo[-1]:.4f}; act flushed {fl}%, final scale "
-          f"{pow2(r['final_scale'])}")
+        f"  {name:<13} eval {r['eval_loss']:.4f}"
+        f" ({r['eval_loss'] - ref_r:+.4f})"
+        f", train loss min {lo.min():.4f} at step {int(lo.argmin()) + 1},"
+        f" last {lo[-1]:.4f}; act flushed {fl}%, final scale "
+        f"{pow2(r['final_scale'])}"
+      )
   return "\n".join(lines)
 
 
 def to_json(obj):
   """Numbers and per-step curves as plain JSON (NaN as null)."""
   if isinstance(obj, dict):
-    return {str(k): to_json(v) for k, v in obj.items()
-            if k not in ("params", "opt_state", "probe_batch")}
+    return {
+      str(k): to_json(v)
+      for k, v in obj.items()
+      if k not in ("params", "opt_state", "probe_batch")
+    }
   if isinstance(obj, (list, tuple)):
     return [to_json(v) for v in obj]
   if isinstance(obj, np.ndarray):
@@ -758,9 +901,11 @@ def load_json(path):
 
 # ---------------------------------------------------------------- figures
 
+
 def save_figure(result, path):
   """The main job's figure: gap to float32 per step, and the scale."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -771,11 +916,15 @@ def save_figure(result, path):
     # effect of float16 alone.
     a.plot(np.arange(1, len(ref) + 1), r["loss"] - ref, label=run, lw=1.2)
   a.axhline(0, color="k", lw=0.5)
-  a.set(xlabel="step", ylabel="train loss - fp32 train loss",
-        title=f"char-LM, mean over {result['config']['batch']} tokens")
+  a.set(
+    xlabel="step",
+    ylabel="train loss - fp32 train loss",
+    title=f"char-LM, mean over {result['config']['batch']} tokens",
+  )
   a.legend(fontsize=8)
-  plot_scales(b, {k: result["runs"][k] for k in RUNS[2:]
-                  if k in result["runs"]})
+  plot_scales(
+    b, {k: result["runs"][k] for k in RUNS[2:] if k in result["runs"]}
+  )
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
@@ -796,16 +945,31 @@ def plot_window(ax, out):
   x = [np.log2(r["initial_scale"]) for r in static.values()]
   y = [r["eval_loss"] - ref for r in static.values()]
   ax.plot(x, y, "o-", color="k", ms=4, label="static scale")
-  ax.axhline(out["runs"]["fp16"]["eval_loss"] - ref, color="C1", ls="--",
-             label="fp16, no scaling")
+  ax.axhline(
+    out["runs"]["fp16"]["eval_loss"] - ref,
+    color="C1",
+    ls="--",
+    label="fp16, no scaling",
+  )
   ax.axhline(0, color="k", lw=0.5)
   _shade(ax, out["window"])
   for i, (k, r) in enumerate(
-      (k, r) for k, r in out["runs"].items() if k.startswith("dyn")):
-    ax.plot(np.log2(r["final_scale"]), r["eval_loss"] - ref, "*", ms=11,
-            color=f"C{i + 2}", label=f"{k} (final scale)")
-  ax.set(xlabel="log2 loss scale", ylabel="held-out loss - fp32",
-         yscale="symlog", title="the window")
+    (k, r) for k, r in out["runs"].items() if k.startswith("dyn")
+  ):
+    ax.plot(
+      np.log2(r["final_scale"]),
+      r["eval_loss"] - ref,
+      "*",
+      ms=11,
+      color=f"C{i + 2}",
+      label=f"{k} (final scale)",
+    )
+  ax.set(
+    xlabel="log2 loss scale",
+    ylabel="held-out loss - fp32",
+    yscale="symlog",
+    title="the window",
+  )
   ax.set_yscale("symlog", linthresh=1e-3)
   ax.legend(fontsize=6)
 
@@ -815,14 +979,34 @@ def plot_shares(ax, out):
   skipped steps, in % against the static scale."""
   static = [r for k, r in out["runs"].items() if k.startswith("static")]
   x = [np.log2(r["initial_scale"]) for r in static]
-  ax.plot(x, [100 * r["act_flushed_mean"] for r in static], "o-", ms=4,
-          label="activation grads flushed to 0")
-  ax.plot(x, [100 * r["act_nonfinite_mean"] for r in static], "s-", ms=4,
-          label="activation grads inf/NaN")
-  ax.plot(x, [100 * np.mean([f["nonfinite"] for f in r["flush"]])
-              for r in static], "d-", ms=4, label="parameter grads inf/NaN")
-  ax.plot(x, [100 * r["skipped_total"] / len(r["skipped"]) for r in static],
-          "^-", ms=4, label="steps skipped")
+  ax.plot(
+    x,
+    [100 * r["act_flushed_mean"] for r in static],
+    "o-",
+    ms=4,
+    label="activation grads flushed to 0",
+  )
+  ax.plot(
+    x,
+    [100 * r["act_nonfinite_mean"] for r in static],
+    "s-",
+    ms=4,
+    label="activation grads inf/NaN",
+  )
+  ax.plot(
+    x,
+    [100 * np.mean([f["nonfinite"] for f in r["flush"]]) for r in static],
+    "d-",
+    ms=4,
+    label="parameter grads inf/NaN",
+  )
+  ax.plot(
+    x,
+    [100 * r["skipped_total"] / len(r["skipped"]) for r in static],
+    "^-",
+    ms=4,
+    label="steps skipped",
+  )
   _shade(ax, out["window"])
   ax.set(xlabel="log2 loss scale", ylabel="%", title="underflow, overflow")
   ax.legend(fontsize=6)
@@ -832,21 +1016,28 @@ def plot_scales(ax, runs, window=None):
   """log2 scale after each step, skipped steps marked."""
   for i, (name, r) in enumerate(runs.items()):
     steps = np.arange(1, len(r["scale"]) + 1)
-    ax.step(steps, np.log2(r["scale"]), where="post", label=name,
-            color=f"C{i}")
+    ax.step(steps, np.log2(r["scale"]), where="post", label=name, color=f"C{i}")
     sk = np.nonzero(r["skipped"])[0]
     ax.plot(steps[sk], np.log2(r["scale"][sk]), "x", color=f"C{i}", ms=5)
   if window is not None:
     _shade(ax, window, axis="y")
-  ax.set(xlabel="step (x: skipped)", ylabel="log2 loss scale after step",
-         title="loss scale")
+  ax.set(
+    xlabel="step (x: skipped)",
+    ylabel="log2 loss scale after step",
+    title="loss scale",
+  )
   ax.legend(fontsize=6)
 
 
 def plot_loss_gap(ax, runs, ref, title):
   for i, (name, r) in enumerate(runs.items()):
-    ax.plot(np.arange(1, len(r["loss"]) + 1), r["loss"] - ref["loss"],
-            label=name, lw=1, color=f"C{i}")
+    ax.plot(
+      np.arange(1, len(r["loss"]) + 1),
+      r["loss"] - ref["loss"],
+      label=name,
+      lw=1,
+      color=f"C{i}",
+    )
   ax.axhline(0, color="k", lw=0.5)
   ax.set(xlabel="step", ylabel="train loss - fp32", title=title)
   ax.legend(fontsize=6)
@@ -867,6 +1058,7 @@ def plot_sawtooth(a, b, out):
 
 def save_sweep_figure(out, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -880,9 +1072,11 @@ def save_sweep_figure(out, path):
     rr = out["replicas"]
     for name, r in rr.items():
       ax[1, 2].plot(np.arange(1, len(r["loss"]) + 1), r["loss"], label=name)
-    ax[1, 2].set(xlabel="step", ylabel="train loss",
-                 title=f"loss / global count, {out['sweep']['replicas']}"
-                 " replicas")
+    ax[1, 2].set(
+      xlabel="step",
+      ylabel="train loss",
+      title=f"loss / global count, {out['sweep']['replicas']} replicas",
+    )
     ax[1, 2].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path)
@@ -891,39 +1085,59 @@ def save_sweep_figure(out, path):
 
 # ---------------------------------------------------------------- main
 
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--short", action="store_true",
-                      help="a smoke run: 10 steps (too few to read much)")
+  parser.add_argument(
+    "--short",
+    action="store_true",
+    help="a smoke run: 10 steps (too few to read much)",
+  )
   parser.add_argument("--batch", type=int, default=None)
   parser.add_argument("--static-scale", type=float, default=None)
   parser.add_argument("--dynamic-scale", type=float, default=None)
   parser.add_argument("--growth-steps", type=int, default=None)
-  parser.add_argument("--replicas", type=int, default=None,
-                      help="divide each replica's loss by the global count")
+  parser.add_argument(
+    "--replicas",
+    type=int,
+    default=None,
+    help="divide each replica's loss by the global count",
+  )
   parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-  parser.add_argument("--sweep", action="store_true",
-                      help="the whole study (see RESULTS.md)")
-  parser.add_argument("--scales", default=None,
-                      help="with --sweep: the static scales' log2, e.g. 1,3")
-  parser.add_argument("--parts", default=None,
-                      help="with --sweep: some of static,dynamic,sawtooth,"
-                      "replicas (default: all)")
-  parser.add_argument("--merge", nargs="+", default=None,
-                      help="print (and save) sweeps saved with --json as one")
+  parser.add_argument(
+    "--sweep", action="store_true", help="the whole study (see RESULTS.md)"
+  )
+  parser.add_argument(
+    "--scales",
+    default=None,
+    help="with --sweep: the static scales' log2, e.g. 1,3",
+  )
+  parser.add_argument(
+    "--parts",
+    default=None,
+    help="with --sweep: some of static,dynamic,sawtooth,"
+    "replicas (default: all)",
+  )
+  parser.add_argument(
+    "--merge",
+    nargs="+",
+    default=None,
+    help="print (and save) sweeps saved with --json as one",
+  )
   parser.add_argument("--figure", default=None, help="save a PNG here")
-  parser.add_argument("--json", default=None,
-                      help="write every number (curves too) to this path")
+  parser.add_argument(
+    "--json", default=None, help="write every number (curves too) to this path"
+  )
   args = parser.parse_args(argv)
   overrides = {"seed": args.seed}
   for k in ("batch", "static_scale", "dynamic_scale", "growth_steps"):
     if getattr(args, k) is not None:
       overrides[k] = getattr(args, k)
   from tqdm import tqdm
+
   t0 = time.perf_counter()
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}",
-        flush=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
 
   if args.merge:
     args.sweep = True
@@ -968,17 +1182,21 @@ def main(argv=None):
   if bar is not None:
     bar.close()
   cfg = result["config"]
-  print(f"char-MLP LM on {cfg['corpus_chars']} chars of stdlib source, "
-        f"vocab {cfg['vocab']}, context {cfg['context']}, depth "
-        f"{cfg['depth']}x{cfg['width']}, {cfg['batch']} tokens/batch "
-        f"(token-mean loss), Adam lr {cfg['lr']}, {cfg['steps']} steps, "
-        f"seed {cfg['seed']}; eval on {cfg['eval_tokens']} held-out tokens")
+  print(
+    f"char-MLP LM on {cfg['corpus_chars']} chars of stdlib source, "
+    f"vocab {cfg['vocab']}, context {cfg['context']}, depth "
+    f"{cfg['depth']}x{cfg['width']}, {cfg['batch']} tokens/batch "
+    f"(token-mean loss), Adam lr {cfg['lr']}, {cfg['steps']} steps, "
+    f"seed {cfg['seed']}; eval on {cfg['eval_tokens']} held-out tokens"
+  )
   if args.sweep:
     print(format_sweep(result))
   else:
     if cfg["replicas"] > 1:
-      print(f"loss of {cfg['batch']} tokens divided by "
-            f"{cfg['replicas']} x {cfg['batch']} (replicas)")
+      print(
+        f"loss of {cfg['batch']} tokens divided by "
+        f"{cfg['replicas']} x {cfg['batch']} (replicas)"
+      )
     print(format_table(result))
     print(format_scales(result))
   seconds = time.perf_counter() - t0
@@ -988,9 +1206,17 @@ def main(argv=None):
     print(f"figure saved to {args.figure}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(to_json({**result, "seconds": seconds,
-                         "jax": jax.__version__,
-                         "device": jax.devices()[0].device_kind}), f)
+      json.dump(
+        to_json(
+          {
+            **result,
+            "seconds": seconds,
+            "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind,
+          }
+        ),
+        f,
+      )
     print(f"numbers saved to {args.json}")
   return result
 

@@ -13,8 +13,12 @@ from optax_lossscale._lookup import loss_scale as loss_scale
 from optax_lossscale._lookup import scale_loss as scale_loss
 from optax_lossscale._lookup import set_loss_scale as set_loss_scale
 from optax_lossscale._lookup import skip_stats as skip_stats
-from optax_lossscale._optimizer import loss_scale_optimizer as loss_scale_optimizer
-from optax_lossscale._state import LossScaleOptimizerState as LossScaleOptimizerState
+from optax_lossscale._optimizer import (
+  loss_scale_optimizer as loss_scale_optimizer,
+)
+from optax_lossscale._state import (
+  LossScaleOptimizerState as LossScaleOptimizerState,
+)
 from optax_lossscale._state import LossScaleState as LossScaleState
 from optax_lossscale._state import SkipStats as SkipStats
 from optax_lossscale._unscale import unscale_and_check as unscale_and_check
@@ -22,18 +26,18 @@ from optax_lossscale._unscale import unscale_and_check as unscale_and_check
 __version__ = "0.1.0"
 
 __all__ = (
-    "LossScaleOptimizerState",
-    "LossScaleState",
-    "SkipStats",
-    "all_finite",
-    "dynamic_counter",
-    "from_keras_config",
-    "loss_scale",
-    "loss_scale_optimizer",
-    "scale_loss",
-    "set_loss_scale",
-    "skip_stats",
-    "to_keras_config",
-    "unscale_and_check",
-    "value_and_grad",
+  "LossScaleOptimizerState",
+  "LossScaleState",
+  "SkipStats",
+  "all_finite",
+  "dynamic_counter",
+  "from_keras_config",
+  "loss_scale",
+  "loss_scale_optimizer",
+  "scale_loss",
+  "set_loss_scale",
+  "skip_stats",
+  "to_keras_config",
+  "unscale_and_check",
+  "value_and_grad",
 )

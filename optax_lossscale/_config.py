@@ -36,8 +36,11 @@ def _as_real_scalar(value):
   if isinstance(value, numbers.Real):
     return float(value)
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape == () and dtype is not None and (
-      np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+  if (
+    shape == ()
+    and dtype is not None
+    and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer))
+  ):
     try:
       return float(value)
     except (TypeError, jax_errors.ConcretizationTypeError):
@@ -50,8 +53,8 @@ def _check_float(name, value, *, accepted, ok) -> float:
   as_float = _as_real_scalar(value)
   if as_float is None:
     raise TypeError(
-        f"`{name}` must be a real number ({accepted}), got {value!r} of type"
-        f" {type(value).__name__}."
+      f"`{name}` must be a real number ({accepted}), got {value!r} of type"
+      f" {type(value).__name__}."
     )
   if not math.isfinite(as_float) or not ok(as_float):
     raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
@@ -62,8 +65,8 @@ def _check_int(name, value, *, minimum) -> int:
   accepted = f"an int >= {minimum} and <= 2**31 - 1"
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(
-        f"`{name}` must be {accepted}, got {value!r} of type"
-        f" {type(value).__name__}."
+      f"`{name}` must be {accepted}, got {value!r} of type"
+      f" {type(value).__name__}."
     )
   value = int(value)
   if not minimum <= value <= _INT32_MAX:
@@ -78,84 +81,91 @@ def _representable_in_float32(value: float) -> bool:
 
 
 def make_config(
-    dynamic,
-    initial_scale,
-    dynamic_growth_steps,
-    *,
-    growth_factor,
-    backoff_factor,
-    min_scale,
-    max_scale,
-    hysteresis,
-    axis_name,
+  dynamic,
+  initial_scale,
+  dynamic_growth_steps,
+  *,
+  growth_factor,
+  backoff_factor,
+  min_scale,
+  max_scale,
+  hysteresis,
+  axis_name,
 ) -> LossScaleConfig:
   """Validates the public arguments; every error names argument and value."""
   # Keras-TF2's own checks come first, with the same exception types.
   if not isinstance(dynamic, bool):
     raise TypeError(
-        f"`dynamic` must be a bool (True or False), got {dynamic!r} of type"
-        f" {type(dynamic).__name__}."
+      f"`dynamic` must be a bool (True or False), got {dynamic!r} of type"
+      f" {type(dynamic).__name__}."
     )
   if not dynamic and initial_scale is None:
     raise ValueError(
-        "`initial_scale` must be given when `dynamic=False` (a static scale"
-        " needs a value), got None."
+      "`initial_scale` must be given when `dynamic=False` (a static scale"
+      " needs a value), got None."
     )
   if not dynamic and dynamic_growth_steps is not None:
     raise ValueError(
-        "`dynamic_growth_steps` must be None when `dynamic=False` (a static"
-        f" scale never grows), got {dynamic_growth_steps!r}."
+      "`dynamic_growth_steps` must be None when `dynamic=False` (a static"
+      f" scale never grows), got {dynamic_growth_steps!r}."
     )
 
   positive = "finite and > 0, representable in float32"
   if initial_scale is None:
     initial_scale = DEFAULT_INITIAL_SCALE
   initial_scale = _check_float(
-      "initial_scale", initial_scale, accepted=positive,
-      ok=_representable_in_float32,
+    "initial_scale",
+    initial_scale,
+    accepted=positive,
+    ok=_representable_in_float32,
   )
   growth_steps = _check_int(
-      "dynamic_growth_steps",
-      DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None
-      else dynamic_growth_steps,
-      minimum=1,
+    "dynamic_growth_steps",
+    DEFAULT_GROWTH_STEPS
+    if dynamic_growth_steps is None
+    else dynamic_growth_steps,
+    minimum=1,
   )
   growth_factor = _check_float(
-      "growth_factor", growth_factor, accepted="finite and > 1",
-      ok=lambda x: x > 1.0,
+    "growth_factor",
+    growth_factor,
+    accepted="finite and > 1",
+    ok=lambda x: x > 1.0,
   )
   backoff_factor = _check_float(
-      "backoff_factor", backoff_factor, accepted="in the open interval (0, 1)",
-      ok=lambda x: 0.0 < x < 1.0,
+    "backoff_factor",
+    backoff_factor,
+    accepted="in the open interval (0, 1)",
+    ok=lambda x: 0.0 < x < 1.0,
   )
   min_scale = _check_float(
-      "min_scale", min_scale, accepted=positive, ok=_representable_in_float32
+    "min_scale", min_scale, accepted=positive, ok=_representable_in_float32
   )
   if max_scale is None:
     max_scale = FLOAT32_MAX
   max_scale = _check_float(
-      "max_scale", max_scale, accepted=positive, ok=_representable_in_float32
+    "max_scale", max_scale, accepted=positive, ok=_representable_in_float32
   )
   if not min_scale <= initial_scale <= max_scale:
     raise ValueError(
-        "`min_scale <= initial_scale <= max_scale` must hold, got"
-        f" min_scale={min_scale!r}, initial_scale={initial_scale!r},"
-        f" max_scale={max_scale!r}."
+      "`min_scale <= initial_scale <= max_scale` must hold, got"
+      f" min_scale={min_scale!r}, initial_scale={initial_scale!r},"
+      f" max_scale={max_scale!r}."
     )
   hysteresis = _check_int("hysteresis", hysteresis, minimum=1)
   _check_axis_name(axis_name)
   # The rule computes in float32: keep the float32 values, so that bounds
   # compare as they will be applied (0.1 is not a float32).
   return LossScaleConfig(
-      dynamic=dynamic,
-      initial_scale=_float32(initial_scale),
-      growth_steps=growth_steps,
-      growth_factor=_float32(growth_factor),
-      backoff_factor=_float32(backoff_factor),
-      min_scale=_float32(min_scale),
-      max_scale=_float32(max_scale),
-      hysteresis=hysteresis,
-      axis_name=axis_name,
+    dynamic=dynamic,
+    initial_scale=_float32(initial_scale),
+    growth_steps=growth_steps,
+    growth_factor=_float32(growth_factor),
+    backoff_factor=_float32(backoff_factor),
+    min_scale=_float32(min_scale),
+    max_scale=_float32(max_scale),
+    hysteresis=hysteresis,
+    axis_name=axis_name,
   )
 
 
@@ -167,11 +177,12 @@ def _check_axis_name(axis_name) -> None:
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if axis_name is None:
     return
-  if not names or any(not isinstance(n, str | int) or isinstance(n, bool)
-                      for n in names):
+  if not names or any(
+    not isinstance(n, str | int) or isinstance(n, bool) for n in names
+  ):
     raise TypeError(
-        "`axis_name` must be None, an axis name (a str), or a tuple of axis"
-        f" names, got {axis_name!r}."
+      "`axis_name` must be None, an axis name (a str), or a tuple of axis"
+      f" names, got {axis_name!r}."
     )
 
 

@@ -30,8 +30,9 @@ def all_finite(tree) -> jax.Array:
   """
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
   # Integer and boolean leaves are always finite; empty ones hold nothing.
-  leaves = [x for x in leaves
-            if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  leaves = [
+    x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+  ]
   if not leaves:
     return jnp.ones([], jnp.bool_)
   local, explicit, auto = _by_placement(leaves)
@@ -39,8 +40,9 @@ def all_finite(tree) -> jax.Array:
   # On a mesh the flag is reduced where each leaf lives, and only scalars
   # cross devices: combining leaves sharded differently (a concatenation, an
   # element-wise max) would make XLA gather or reshard the gradients.
-  flags += [_all_finite_on_mesh(mesh, group)
-            for mesh, group in explicit.items()]
+  flags += [
+    _all_finite_on_mesh(mesh, group) for mesh, group in explicit.items()
+  ]
   flags += [_reduced_where_it_lives(x) for x in auto]
   return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
@@ -87,9 +89,13 @@ def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
   over an axis along which a value does not vary).
   """
   specs = tuple(jax.typeof(x).sharding.spec for x in leaves)
-  sharded_on = {axis for spec in specs for entry in spec
-                for axis in (entry if isinstance(entry, tuple) else (entry,))
-                if axis is not None}
+  sharded_on = {
+    axis
+    for spec in specs
+    for entry in spec
+    for axis in (entry if isinstance(entry, tuple) else (entry,))
+    if axis is not None
+  }
   axes = tuple(a for a in mesh.axis_names if a in sharded_on)
 
   def check_shards(*shards):
@@ -121,6 +127,7 @@ def _shard_map(f, mesh, in_specs):
   if hasattr(jax, "shard_map"):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
   from jax.experimental.shard_map import shard_map  # older jax
+
   return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
 
 
@@ -130,15 +137,18 @@ def _on_cpu(*leaves) -> jax.Array:
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
   large = [x for x in leaves if x.size >= _CONCATENATE_BELOW]
   flags = [_one_pass(group) for group in _groups_of_one_shape(large)]
-  flags += [_one_pass([jnp.concatenate(flat)])
-            for flat in _raveled_by_dtype(small)]
+  flags += [
+    _one_pass([jnp.concatenate(flat)]) for flat in _raveled_by_dtype(small)
+  ]
   return jnp.all(jnp.stack(flags))
 
 
 def _raveled_by_dtype(leaves):
   """The leaves raveled, one list per dtype (a concatenation needs one)."""
-  return [[x.ravel() for x in leaves if x.dtype == dtype]
-          for dtype in sorted({x.dtype for x in leaves}, key=str)]
+  return [
+    [x.ravel() for x in leaves if x.dtype == dtype]
+    for dtype in sorted({x.dtype for x in leaves}, key=str)
+  ]
 
 
 # Leaves under this many elements are checked together, concatenated (a
@@ -180,10 +190,10 @@ _MAX_GROUP = 64
 # The bits of the exponent, by dtype, as the unsigned integer of that width.
 # The exponent is all ones exactly for infinities and NaNs (IEEE 754).
 _EXPONENT_MASKS = {
-    jnp.dtype(jnp.float16): np.uint16(0x7C00),
-    jnp.dtype(jnp.bfloat16): np.uint16(0x7F80),
-    jnp.dtype(jnp.float32): np.uint32(0x7F80_0000),
-    jnp.dtype(jnp.float64): np.uint64(0x7FF0_0000_0000_0000),
+  jnp.dtype(jnp.float16): np.uint16(0x7C00),
+  jnp.dtype(jnp.bfloat16): np.uint16(0x7F80),
+  jnp.dtype(jnp.float32): np.uint32(0x7F80_0000),
+  jnp.dtype(jnp.float64): np.uint64(0x7FF0_0000_0000_0000),
 }
 
 
@@ -211,8 +221,11 @@ def _one_pass(leaves) -> jax.Array:
   # reduction variadic; both answers agree, and both are used so that XLA
   # keeps both.
   all_finite, any_not_finite = lax.reduce(
-      (finite, ~finite), (np.bool_(True), np.bool_(False)),
-      _and_or, tuple(range(finite.ndim)))
+    (finite, ~finite),
+    (np.bool_(True), np.bool_(False)),
+    _and_or,
+    tuple(range(finite.ndim)),
+  )
   return all_finite & ~any_not_finite
 
 
@@ -233,7 +246,7 @@ def _concatenated(*leaves) -> jax.Array:
   flags = []
   for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
-      group = flat[start:start + _LEAVES_PER_CONCATENATION]
+      group = flat[start : start + _LEAVES_PER_CONCATENATION]
       flags.append(jnp.all(jnp.isfinite(jnp.concatenate(group))))
   return jnp.all(jnp.stack(flags))
 

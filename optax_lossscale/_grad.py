@@ -11,11 +11,11 @@ from optax_lossscale._lookup import _check_loss, _scaled, find_loss_scale_state
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    *,
-    grad_fn: Callable[..., Callable[..., Any]] | None = None,
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  *,
+  grad_fn: Callable[..., Callable[..., Any]] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, with the loss scaled inside.
 
@@ -81,15 +81,15 @@ def value_and_grad(
   """
   if not isinstance(has_aux, bool):
     raise TypeError(
-        f"`has_aux` must be a bool (True or False), got {has_aux!r}."
+      f"`has_aux` must be a bool (True or False), got {has_aux!r}."
     )
   if grad_fn is None:
     grad_fn = jax.value_and_grad
   elif not callable(grad_fn):
     raise TypeError(
-        "`grad_fn` must be a value_and_grad-style transformation (e.g."
-        " `jax.value_and_grad`, `nnx.value_and_grad`,"
-        f" `eqx.filter_value_and_grad`), got {grad_fn!r}."
+      "`grad_fn` must be a value_and_grad-style transformation (e.g."
+      " `jax.value_and_grad`, `nnx.value_and_grad`,"
+      f" `eqx.filter_value_and_grad`), got {grad_fn!r}."
     )
   options: dict[str, Any] = {"has_aux": True}
   if not (isinstance(argnums, int) and argnums == 0):
@@ -112,8 +112,8 @@ def value_and_grad(
   scaled_value_and_grad.__name__ = f"value_and_grad_{name}"
   scaled_value_and_grad.__qualname__ = f"value_and_grad_{name}"
   scaled_value_and_grad.__doc__ = (
-      f"`ols.value_and_grad` of `{name}`: (opt_state, *args, **kwargs) ->"
-      " (value, scaled grads)."
+    f"`ols.value_and_grad` of `{name}`: (opt_state, *args, **kwargs) ->"
+    " (value, scaled grads)."
   )
   scaled_value_and_grad.__signature__ = _signature(fun)
   return scaled_value_and_grad
@@ -122,16 +122,18 @@ def value_and_grad(
 def _signature(fun: Callable[..., Any]) -> inspect.Signature:
   """`(opt_state, /, <fun's parameters>) -> tuple`, or with `*args,
   **kwargs` where `fun`'s own cannot be read."""
-  opt_state = inspect.Parameter(
-      "opt_state", inspect.Parameter.POSITIONAL_ONLY)
+  opt_state = inspect.Parameter("opt_state", inspect.Parameter.POSITIONAL_ONLY)
   try:
     rest = list(inspect.signature(fun).parameters.values())
-    return inspect.Signature([opt_state, *rest],
-                             return_annotation=tuple[Any, Any])
+    return inspect.Signature(
+      [opt_state, *rest], return_annotation=tuple[Any, Any]
+    )
   except (TypeError, ValueError):
     return inspect.Signature(
-        [opt_state,
-         inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)],
-        return_annotation=tuple[Any, Any],
+      [
+        opt_state,
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+      ],
+      return_annotation=tuple[Any, Any],
     )

@@ -4,18 +4,33 @@ import math
 from typing import Any
 
 from optax_lossscale._config import FLOAT32_MAX
-from optax_lossscale._optimizer import LossScaledTransformation
-from optax_lossscale._optimizer import loss_scale_optimizer
+from optax_lossscale._optimizer import (
+  LossScaledTransformation,
+  loss_scale_optimizer,
+)
 
 # Keys of a Keras config that describe the inner optimizer, which the caller
 # gives as an optax transformation instead (Keras 2 and Keras 3 spellings).
-_INNER_OPTIMIZER_KEYS = frozenset({
-    "inner_optimizer", "optimizer", "name", "learning_rate", "weight_decay",
-    "clipnorm", "global_clipnorm", "clipvalue", "use_ema", "ema_momentum",
-    "ema_overwrite_frequency", "loss_scale_factor",
-    "gradient_accumulation_steps", "is_legacy_optimizer", "jit_compile",
+_INNER_OPTIMIZER_KEYS = frozenset(
+  {
+    "inner_optimizer",
+    "optimizer",
+    "name",
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+    "is_legacy_optimizer",
+    "jit_compile",
     "decay",
-})
+  }
+)
 _CURRENT_KEYS = frozenset({"dynamic", "initial_scale", "dynamic_growth_steps"})
 
 
@@ -53,32 +68,35 @@ def from_keras_config(config: dict[str, Any], inner):
     >>> old = {'loss_scale': {'class_name': 'DynamicLossScale',
     ...        'config': {'initial_loss_scale': 256.0, 'increment_period': 10,
     ...                   'multiplier': 4.0}}}
-    >>> ols.from_keras_config(old, optax.sgd(0.1)).loss_scale_config.backoff_factor
+    >>> tx = ols.from_keras_config(old, optax.sgd(0.1))
+    >>> tx.loss_scale_config.backoff_factor
     0.25
   """
   if not isinstance(config, dict):
     raise TypeError(
-        f"`config` must be a dict (a Keras `get_config()`), got {config!r}."
+      f"`config` must be a dict (a Keras `get_config()`), got {config!r}."
     )
   unknown = set(config) - _INNER_OPTIMIZER_KEYS - _CURRENT_KEYS - {"loss_scale"}
   if unknown:
     raise ValueError(
-        f"`config` has keys a Keras LossScaleOptimizer config does not have:"
-        f" {sorted(unknown)}. Accepted: {sorted(_CURRENT_KEYS)}, or"
-        " 'loss_scale' (TF <= 2.3), plus inner-optimizer entries."
+      f"`config` has keys a Keras LossScaleOptimizer config does not have:"
+      f" {sorted(unknown)}. Accepted: {sorted(_CURRENT_KEYS)}, or"
+      " 'loss_scale' (TF <= 2.3), plus inner-optimizer entries."
     )
   if "loss_scale" in config:
     if _CURRENT_KEYS & set(config):
       raise ValueError(
-          "`config` mixes the TF <= 2.3 'loss_scale' entry with the current"
-          f" keys {sorted(_CURRENT_KEYS & set(config))}; give one form."
+        "`config` mixes the TF <= 2.3 'loss_scale' entry with the current"
+        f" keys {sorted(_CURRENT_KEYS & set(config))}; give one form."
       )
-    return loss_scale_optimizer(inner, **_legacy_arguments(config["loss_scale"]))
+    return loss_scale_optimizer(
+      inner, **_legacy_arguments(config["loss_scale"])
+    )
   return loss_scale_optimizer(
-      inner,
-      dynamic=config.get("dynamic", True),
-      initial_scale=config.get("initial_scale"),
-      dynamic_growth_steps=config.get("dynamic_growth_steps"),
+    inner,
+    dynamic=config.get("dynamic", True),
+    initial_scale=config.get("initial_scale"),
+    dynamic_growth_steps=config.get("dynamic_growth_steps"),
   )
 
 
@@ -89,38 +107,42 @@ def _legacy_arguments(loss_scale) -> dict[str, Any]:
     return {"dynamic": False, "initial_scale": loss_scale}
   if not isinstance(loss_scale, dict) or "class_name" not in loss_scale:
     raise ValueError(
-        "`config['loss_scale']` must be 'dynamic', a number, or a dict with"
-        f" 'class_name' and 'config', got {loss_scale!r}."
+      "`config['loss_scale']` must be 'dynamic', a number, or a dict with"
+      f" 'class_name' and 'config', got {loss_scale!r}."
     )
   name, inner_config = loss_scale["class_name"], loss_scale.get("config", {})
   if name == "FixedLossScale":
-    _check_legacy_keys(name, inner_config, {"loss_scale_value"},
-                       required={"loss_scale_value"})
-    return {"dynamic": False,
-            "initial_scale": inner_config["loss_scale_value"]}
+    _check_legacy_keys(
+      name, inner_config, {"loss_scale_value"}, required={"loss_scale_value"}
+    )
+    return {"dynamic": False, "initial_scale": inner_config["loss_scale_value"]}
   if name == "DynamicLossScale":
     _check_legacy_keys(
-        name, inner_config,
-        {"initial_loss_scale", "increment_period", "multiplier"},
-        required=set(),
+      name,
+      inner_config,
+      {"initial_loss_scale", "increment_period", "multiplier"},
+      required=set(),
     )
     multiplier = inner_config.get("multiplier", 2.0)
-    if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) \
-        or not (math.isfinite(multiplier) and multiplier > 1):
+    if (
+      isinstance(multiplier, bool)
+      or not isinstance(multiplier, int | float)
+      or not (math.isfinite(multiplier) and multiplier > 1)
+    ):
       raise ValueError(
-          "`multiplier` of a DynamicLossScale must be a finite number > 1,"
-          f" got {multiplier!r}."
+        "`multiplier` of a DynamicLossScale must be a finite number > 1,"
+        f" got {multiplier!r}."
       )
     return {
-        "dynamic": True,
-        "initial_scale": inner_config.get("initial_loss_scale", 2.0**15),
-        "dynamic_growth_steps": inner_config.get("increment_period", 2000),
-        "growth_factor": float(multiplier),
-        "backoff_factor": 1.0 / multiplier,
+      "dynamic": True,
+      "initial_scale": inner_config.get("initial_loss_scale", 2.0**15),
+      "dynamic_growth_steps": inner_config.get("increment_period", 2000),
+      "growth_factor": float(multiplier),
+      "backoff_factor": 1.0 / multiplier,
     }
   raise ValueError(
-      "`config['loss_scale']['class_name']` must be 'FixedLossScale' or"
-      f" 'DynamicLossScale', got {name!r}."
+    "`config['loss_scale']['class_name']` must be 'FixedLossScale' or"
+    f" 'DynamicLossScale', got {name!r}."
   )
 
 
@@ -128,15 +150,15 @@ def _check_legacy_keys(name, inner_config, accepted, *, required) -> None:
   """A misspelt key must not fall back to a default silently."""
   if not isinstance(inner_config, dict):
     raise ValueError(
-        f"The 'config' of a {name} must be a dict, got {inner_config!r}."
+      f"The 'config' of a {name} must be a dict, got {inner_config!r}."
     )
   unknown = set(inner_config) - accepted
   missing = required - set(inner_config)
   if unknown or missing:
     raise ValueError(
-        f"The 'config' of a {name} accepts the keys {sorted(accepted)}"
-        f" ({sorted(required)} required), got unknown {sorted(unknown)} and"
-        f" missing {sorted(missing)}."
+      f"The 'config' of a {name} accepts the keys {sorted(accepted)}"
+      f" ({sorted(required)} required), got unknown {sorted(unknown)} and"
+      f" missing {sorted(missing)}."
     )
 
 
@@ -163,29 +185,32 @@ def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
     >>> ols.to_keras_config(ols.loss_scale_optimizer(optax.adam(1e-3)))
     {'dynamic': True, 'initial_scale': 32768.0, 'dynamic_growth_steps': 2000}
   """
-  c = (getattr(tx, "loss_scale_config", None)
-       if isinstance(tx, LossScaledTransformation) else None)
+  c = (
+    getattr(tx, "loss_scale_config", None)
+    if isinstance(tx, LossScaledTransformation)
+    else None
+  )
   if c is None:
     raise TypeError(
-        "`tx` must be made by `loss_scale_optimizer` (with its `update`"
-        f" unchanged), got {type(tx).__name__}."
+      "`tx` must be made by `loss_scale_optimizer` (with its `update`"
+      f" unchanged), got {type(tx).__name__}."
     )
   extensions = {
-      "growth_factor": (c.growth_factor, 2.0),
-      "backoff_factor": (c.backoff_factor, 0.5),
-      "min_scale": (c.min_scale, 1.0),
-      "hysteresis": (c.hysteresis, 1),
+    "growth_factor": (c.growth_factor, 2.0),
+    "backoff_factor": (c.backoff_factor, 0.5),
+    "min_scale": (c.min_scale, 1.0),
+    "hysteresis": (c.hysteresis, 1),
   }
   not_keras = {k: v for k, (v, default) in extensions.items() if v != default}
   if c.max_scale != FLOAT32_MAX:
     not_keras["max_scale"] = c.max_scale
   if not_keras:
     raise ValueError(
-        f"Keras's LossScaleOptimizer cannot express {not_keras}; only"
-        " `dynamic`, `initial_scale` and `dynamic_growth_steps` export."
+      f"Keras's LossScaleOptimizer cannot express {not_keras}; only"
+      " `dynamic`, `initial_scale` and `dynamic_growth_steps` export."
     )
   return {
-      "dynamic": c.dynamic,
-      "initial_scale": c.initial_scale,
-      "dynamic_growth_steps": c.growth_steps if c.dynamic else None,
+    "dynamic": c.dynamic,
+    "initial_scale": c.initial_scale,
+    "dynamic_growth_steps": c.growth_steps if c.dynamic else None,
   }

@@ -25,10 +25,10 @@ _FIELDS = frozenset(LossScaleState._fields)
 _REQUIRED_FIELDS = _FIELDS - {"counter"}
 
 ACCEPTED = (
-    "the state of an optimizer built with `loss_scale_optimizer` or"
-    " `unscale_and_check` (the whole optax state, a flax `TrainState`, an"
-    " `nnx.Optimizer`, its `opt_state`, or `nnx.state`/`nnx.split` output of"
-    " it)"
+  "the state of an optimizer built with `loss_scale_optimizer` or"
+  " `unscale_and_check` (the whole optax state, a flax `TrainState`, an"
+  " `nnx.Optimizer`, its `opt_state`, or `nnx.state`/`nnx.split` output of"
+  " it)"
 )
 
 
@@ -70,23 +70,24 @@ def _field(node, name):
 def _find_node(opt_state):
   """The one loss-scale node in `opt_state` (a `LossScaleState` or mapping)."""
   found = [
-      (path, leaf)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(
-          opt_state, is_leaf=_is_loss_scale_node)[0]
-      if _is_loss_scale_node(leaf)
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=_is_loss_scale_node
+    )[0]
+    if _is_loss_scale_node(leaf)
   ]
   if not found:
     raise ValueError(
-        "No loss-scale state found in the given optimizer state (of type"
-        f" {type(opt_state).__name__}). Pass {ACCEPTED}; not the parameters"
-        " or a plain optax state."
+      "No loss-scale state found in the given optimizer state (of type"
+      f" {type(opt_state).__name__}). Pass {ACCEPTED}; not the parameters"
+      " or a plain optax state."
     )
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(path) for path, _ in found)
     raise ValueError(
-        f"Found {len(found)} loss-scale states in the optimizer state, at"
-        f" {paths}; a loss-scaled optimizer must not wrap another. Keep one"
-        " loss scaler."
+      f"Found {len(found)} loss-scale states in the optimizer state, at"
+      f" {paths}; a loss-scaled optimizer must not wrap another. Keep one"
+      " loss scaler."
     )
   return found[0][1]
 
@@ -94,12 +95,15 @@ def _find_node(opt_state):
 def _read(opt_state) -> LossScaleState:
   """The loss-scale state as plain arrays, possibly stacked (any shape)."""
   node = _find_node(opt_state)
-  values = {name: _unwrap(_field(node, name))
-            for name in LossScaleState._fields}
-  return LossScaleState(**{
+  values = {
+    name: _unwrap(_field(node, name)) for name in LossScaleState._fields
+  }
+  return LossScaleState(
+    **{
       name: None if value is None else jnp.asarray(value)
       for name, value in values.items()
-  })
+    }
+  )
 
 
 def find_loss_scale_state(opt_state) -> LossScaleState:
@@ -112,7 +116,7 @@ def find_loss_scale_state(opt_state) -> LossScaleState:
 def _scaled(loss: jax.Array, scale: jax.Array) -> jax.Array:
   compute_dtype = jnp.promote_types(loss.dtype, SCALE_DTYPE)
   return (loss.astype(compute_dtype) * scale.astype(compute_dtype)).astype(
-      loss.dtype
+    loss.dtype
   )
 
 
@@ -120,7 +124,7 @@ def _check_loss(loss) -> jax.Array:
   loss = jnp.asarray(loss)
   if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(
-        f"`loss` must be floating point to be scaled, got dtype {loss.dtype}."
+      f"`loss` must be floating point to be scaled, got dtype {loss.dtype}."
     )
   return loss
 
@@ -239,9 +243,9 @@ def skip_stats(opt_state: Any) -> SkipStats:
   """
   state = _read(opt_state)
   return SkipStats(
-      total_skipped=state.total_notfinite,
-      skipped_in_a_row=state.notfinite_count,
-      last_finite=state.last_finite,
+    total_skipped=state.total_notfinite,
+    skipped_in_a_row=state.notfinite_count,
+    last_finite=state.last_finite,
   )
 
 
@@ -253,8 +257,8 @@ def _check_value(value, old: jax.Array, static: bool) -> None:
   """Refuses a concrete `value` that is not a usable scale for this state."""
   if jnp.shape(value) not in ((), old.shape):
     raise ValueError(
-        "`value` must be a scalar loss scale (or one per member of a stacked"
-        f" state, shape {old.shape}), got shape {jnp.shape(value)}."
+      "`value` must be a scalar loss scale (or one per member of a stacked"
+      f" state, shape {old.shape}), got shape {jnp.shape(value)}."
     )
   if not _is_concrete(value):
     return
@@ -262,15 +266,19 @@ def _check_value(value, old: jax.Array, static: bool) -> None:
     as_f32 = np.asarray(value, dtype=np.float32)
   if not np.all(np.isfinite(as_f32) & (as_f32 > 0)):
     raise ValueError(
-        f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."
+      f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."
     )
-  if (static and np.any(as_f32 < 1) and _is_concrete(old)
-      and bool(jnp.all(old >= 1))):
+  if (
+    static
+    and np.any(as_f32 < 1)
+    and _is_concrete(old)
+    and bool(jnp.all(old >= 1))
+  ):
     raise ValueError(
-        f"`value` must be >= 1 for this static loss scale (dynamic=False,"
-        f" now {_describe(old)}), got {value!r}: its finiteness check"
-        " relies on a scale of at least 1, so every step would be skipped,"
-        " and a static scale never changes by itself."
+      f"`value` must be >= 1 for this static loss scale (dynamic=False,"
+      f" now {_describe(old)}), got {value!r}: its finiteness check"
+      " relies on a scale of at least 1, so every step would be skipped,"
+      " and a static scale never changes by itself."
     )
 
 

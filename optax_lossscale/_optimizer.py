@@ -7,9 +7,9 @@ import optax
 
 from optax_lossscale import _config, _skip, _unscale
 from optax_lossscale._state import (
-    LossScaleOptimizerState,
-    LossScaleState,
-    init_loss_scale_state,
+  LossScaleOptimizerState,
+  LossScaleState,
+  init_loss_scale_state,
 )
 
 
@@ -27,9 +27,9 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
     config = getattr(self.update, "loss_scale_config", None)
     if config is None:
       raise AttributeError(
-          "This transformation's `update` is not the one"
-          " `loss_scale_optimizer` made (it was replaced), so it has no"
-          " `loss_scale_config`."
+        "This transformation's `update` is not the one"
+        " `loss_scale_optimizer` made (it was replaced), so it has no"
+        " `loss_scale_config`."
       )
     return config
 
@@ -51,16 +51,18 @@ def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
   as ``optax.with_extra_args_support`` does."""
   if isinstance(inner, LossScaledTransformation):
     raise ValueError(
-        "`inner` is already loss-scaled (made by `loss_scale_optimizer`);"
-        " wrapping it again would scale and skip twice. Pass the plain optax"
-        " transformation instead."
+      "`inner` is already loss-scaled (made by `loss_scale_optimizer`);"
+      " wrapping it again would scale and skip twice. Pass the plain optax"
+      " transformation instead."
     )
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
+  if not (
+    callable(getattr(inner, "init", None))
+    and callable(getattr(inner, "update", None))
+  ):
     raise TypeError(
-        "`inner` must be an optax transformation (an object with `init` and"
-        f" `update`, e.g. `optax.adam(1e-3)` or an `optax.MultiSteps`), got"
-        f" {inner!r} of type {type(inner).__name__}."
+      "`inner` must be an optax transformation (an object with `init` and"
+      f" `update`, e.g. `optax.adam(1e-3)` or an `optax.MultiSteps`), got"
+      f" {inner!r} of type {type(inner).__name__}."
     )
   if isinstance(inner, optax.GradientTransformationExtraArgs):
     return inner
@@ -70,36 +72,39 @@ def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
     # which drops the extra args.
     return optax.GradientTransformationExtraArgs(inner.init, inner.update)
   return optax.with_extra_args_support(
-      optax.GradientTransformation(inner.init, inner.update))
+    optax.GradientTransformation(inner.init, inner.update)
+  )
 
 
 def _refuse_nested_loss_scaling(inner_state) -> None:
   nested = [
-      leaf for leaf in jax.tree.leaves(
-          inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-      if isinstance(leaf, LossScaleState)
+    leaf
+    for leaf in jax.tree.leaves(
+      inner_state, is_leaf=lambda x: isinstance(x, LossScaleState)
+    )
+    if isinstance(leaf, LossScaleState)
   ]
   if nested:
     raise ValueError(
-        "`inner` already contains a loss scaler (`unscale_and_check` or"
-        " `loss_scale_optimizer`, perhaps inside `optax.chain`); a"
-        " loss-scaled optimizer must not wrap another. Keep one loss scaler,"
-        " outermost."
+      "`inner` already contains a loss scaler (`unscale_and_check` or"
+      " `loss_scale_optimizer`, perhaps inside `optax.chain`); a"
+      " loss-scaled optimizer must not wrap another. Keep one loss scaler,"
+      " outermost."
     )
 
 
 def loss_scale_optimizer(
-    inner,
-    dynamic: bool = True,
-    initial_scale: float | None = None,
-    dynamic_growth_steps: int | None = None,
-    *,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    min_scale: float = 1.0,
-    max_scale: float | None = None,
-    hysteresis: int = 1,
-    axis_name=None,
+  inner,
+  dynamic: bool = True,
+  initial_scale: float | None = None,
+  dynamic_growth_steps: int | None = None,
+  *,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  min_scale: float = 1.0,
+  max_scale: float | None = None,
+  hysteresis: int = 1,
+  axis_name=None,
 ) -> LossScaledTransformation:
   r"""Wraps an optax transformation with dynamic loss scaling.
 
@@ -176,41 +181,48 @@ def loss_scale_optimizer(
     <https://arxiv.org/abs/1710.03740>`_, 2018.
   """
   config = _config.make_config(
-      dynamic, initial_scale, dynamic_growth_steps,
-      growth_factor=growth_factor, backoff_factor=backoff_factor,
-      min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-      axis_name=axis_name,
+    dynamic,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    hysteresis=hysteresis,
+    axis_name=axis_name,
   )
   return _loss_scale_optimizer_from_config(_as_transformation(inner), config)
 
 
-def _loss_scale_optimizer_from_config(inner, config) -> LossScaledTransformation:
+def _loss_scale_optimizer_from_config(
+  inner, config
+) -> LossScaledTransformation:
   def init_fn(params):
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-        loss_scale_state=init_loss_scale_state(config.initial_scale,
-                                               config.dynamic),
-        inner_state=inner_state,
+      loss_scale_state=init_loss_scale_state(
+        config.initial_scale, config.dynamic
+      ),
+      inner_state=inner_state,
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     _check_state_type(state)
     unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
-        updates, state.loss_scale_state, config, params
+      updates, state.loss_scale_state, config, params
     )
     # The inner update only ever sees finite values: on a skipped step it
     # computes on zeros, and its results are discarded (zero updates, the old
     # inner state bit for bit; see `_skip.update_unless`).
     safe = _skip.zero_unless(finite, unscaled)
     inner_updates, inner_state = _skip.update_unless(
-        finite,
-        lambda inner_state: inner.update(safe, inner_state, params,
-                                         **extra_args),
-        state.inner_state,
+      finite,
+      lambda inner_state: inner.update(safe, inner_state, params, **extra_args),
+      state.inner_state,
     )
     return inner_updates, LossScaleOptimizerState(
-        loss_scale_state=loss_scale_state, inner_state=inner_state
+      loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
   update_fn.loss_scale_config = config
@@ -220,8 +232,8 @@ def _loss_scale_optimizer_from_config(inner, config) -> LossScaledTransformation
 def _check_state_type(state) -> None:
   if not isinstance(state, LossScaleOptimizerState):
     raise TypeError(
-        "`state` must be the LossScaleOptimizerState that this optimizer's"
-        f" `init` returned, got {type(state).__name__}. A state of another"
-        " optimizer (a plain optax state, say) cannot be updated here; see"
-        " the README for restoring a plain optax checkpoint."
+      "`state` must be the LossScaleOptimizerState that this optimizer's"
+      f" `init` returned, got {type(state).__name__}. A state of another"
+      " optimizer (a plain optax state, say) cannot be updated here; see"
+      " the README for restoring a plain optax checkpoint."
     )

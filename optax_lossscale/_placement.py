@@ -15,15 +15,18 @@ def mesh_of(x):
 
 def on_one_device(mesh) -> bool:
   """Whether an array of this mesh is whole where it is computed on."""
-  return (mesh is None or not mesh.axis_names
-          or math.prod(mesh.axis_sizes) == 1 or all_axes_are(mesh, "Manual"))
+  return (
+    mesh is None
+    or not mesh.axis_names
+    or math.prod(mesh.axis_sizes) == 1
+    or all_axes_are(mesh, "Manual")
+  )
 
 
 def all_axes_are(mesh, kind: str) -> bool:
   """Whether every axis of `mesh` is of `kind` ("Explicit", "Auto", ...)."""
   types = getattr(mesh, "axis_types", None) or ()
-  return bool(types) and all(
-      getattr(t, "name", str(t)) == kind for t in types)
+  return bool(types) and all(getattr(t, "name", str(t)) == kind for t in types)
 
 
 def any_axis_is(mesh, kind: str) -> bool:

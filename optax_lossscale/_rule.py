@@ -13,30 +13,32 @@ from optax_lossscale._state import COUNTER_DTYPE, SCALE_DTYPE, LossScaleState
 
 
 def next_state(
-    state: LossScaleState, finite: jax.Array, config: LossScaleConfig
+  state: LossScaleState, finite: jax.Array, config: LossScaleConfig
 ) -> LossScaleState:
   """The state after a step whose unscaled gradients were `finite` or not."""
   finite = jnp.asarray(finite, jnp.bool_)
   notfinite_count = jnp.where(
-      finite, jnp.zeros([], COUNTER_DTYPE),
-      optax.safe_increment(state.notfinite_count),
+    finite,
+    jnp.zeros([], COUNTER_DTYPE),
+    optax.safe_increment(state.notfinite_count),
   )
   total_notfinite = jnp.where(
-      finite, state.total_notfinite,
-      optax.safe_increment(state.total_notfinite),
+    finite,
+    state.total_notfinite,
+    optax.safe_increment(state.total_notfinite),
   )
   if config.dynamic:
     loss_scale, counter = _dynamic_scale_and_counter(
-        state, finite, notfinite_count, config
+      state, finite, notfinite_count, config
     )
   else:
     loss_scale, counter = state.loss_scale, state.counter
   return LossScaleState(
-      loss_scale=loss_scale,
-      counter=counter,
-      notfinite_count=notfinite_count,
-      total_notfinite=total_notfinite,
-      last_finite=_reading(state.last_finite, finite),
+    loss_scale=loss_scale,
+    counter=counter,
+    notfinite_count=notfinite_count,
+    total_notfinite=total_notfinite,
+    last_finite=_reading(state.last_finite, finite),
   )
 
 
@@ -62,15 +64,15 @@ def _dynamic_scale_and_counter(state, finite, notfinite_count, config):
   grown_ok = jnp.isfinite(grown) & (grown <= config.max_scale)
   back_off = ~finite & (notfinite_count >= config.hysteresis)
   backed_off = jnp.maximum(
-      scale * jnp.asarray(config.backoff_factor, SCALE_DTYPE),
-      jnp.asarray(config.min_scale, SCALE_DTYPE),
+    scale * jnp.asarray(config.backoff_factor, SCALE_DTYPE),
+    jnp.asarray(config.min_scale, SCALE_DTYPE),
   )
   new_scale = jnp.where(
-      grow & grown_ok, grown, jnp.where(back_off, backed_off, scale)
+    grow & grown_ok, grown, jnp.where(back_off, backed_off, scale)
   )
   # Reset on growth (also when growth was refused) and on every non-finite
   # step; otherwise count the finite step.
   new_counter = jnp.where(
-      finite & ~grow, counter + 1, jnp.zeros([], COUNTER_DTYPE)
+    finite & ~grow, counter + 1, jnp.zeros([], COUNTER_DTYPE)
   )
   return new_scale.astype(SCALE_DTYPE), new_counter.astype(COUNTER_DTYPE)

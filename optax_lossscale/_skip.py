@@ -52,6 +52,7 @@ def _drop_var_type():
     if hasattr(module, "DropVar"):
       return module.DropVar
   from jax._src import core as src_core  # older jax
+
   return src_core.DropVar
 
 
@@ -65,8 +66,9 @@ def keep_unless(finite: jax.Array, new, old):
   retraces the step and breaks checkpoints.
   """
   return jax.tree.map(
-      lambda n, o: _select(finite, n, o),
-      new, old,
+    lambda n, o: _select(finite, n, o),
+    new,
+    old,
   )
 
 
@@ -74,15 +76,17 @@ def zero_unless(finite: jax.Array, updates):
   """`updates` where `finite`, else zeros of the same types."""
   zeros = functools.cache(_zeros)  # one per type, not per leaf
   return jax.tree.map(
-      lambda u: _select(finite, u, zeros(jax.typeof(u))), updates)
+    lambda u: _select(finite, u, zeros(jax.typeof(u))), updates
+  )
 
 
 def _zeros(aval) -> jax.Array:
   """Zeros of `aval`'s shape and dtype, sharded as it is on an `Explicit`
   mesh (a select needs both cases sharded alike); elsewhere XLA places
   them."""
-  return jnp.zeros(aval.shape, aval.dtype,
-                   out_sharding=_explicit_sharding(aval))
+  return jnp.zeros(
+    aval.shape, aval.dtype, out_sharding=_explicit_sharding(aval)
+  )
 
 
 def _explicit_sharding(aval):
@@ -101,9 +105,9 @@ def _select(finite, n, o):
     # each. The flag is broadcast as `jnp.where` broadcasts it (XLA on CPU
     # ran a select with a scalar flag slower), sharded as the leaf on an
     # `Explicit` mesh.
-    flag = lax.broadcast_in_dim(finite, jnp.shape(o), (),
-                                out_sharding=_explicit_sharding(
-                                    jax.typeof(o)))
+    flag = lax.broadcast_in_dim(
+      finite, jnp.shape(o), (), out_sharding=_explicit_sharding(jax.typeof(o))
+    )
     return lax.select(flag, n, o)
   selected = jnp.where(finite, n, o)
   if jax.dtypes.issubdtype(jnp.result_type(o), jax.dtypes.extended):
@@ -121,16 +125,17 @@ def _same_array_type(n, o) -> bool:
   if not (isinstance(n, jax.Array) and isinstance(o, jax.Array)):
     return False
   n_type, o_type = jax.typeof(n), jax.typeof(o)
-  return (n_type == o_type
-          and not jax.dtypes.issubdtype(o_type.dtype, jax.dtypes.extended))
+  return n_type == o_type and not jax.dtypes.issubdtype(
+    o_type.dtype, jax.dtypes.extended
+  )
 
 
 def update_unless(
-    finite: jax.Array,
-    update: Callable,
-    old_state,
-    *,
-    rewrite: bool = True,
+  finite: jax.Array,
+  update: Callable,
+  old_state,
+  *,
+  rewrite: bool = True,
 ):
   """Runs `update(old_state) -> (updates, new_state)`, skipped unless `finite`.
 
@@ -149,12 +154,12 @@ def update_unless(
 
   old_leaves, state_def = jax.tree.flatten(old_state)
   closed, out_shape = jax.make_jaxpr(
-      lambda *leaves: update(jax.tree.unflatten(state_def, list(leaves))),
-      return_shape=True,
+    lambda *leaves: update(jax.tree.unflatten(state_def, list(leaves))),
+    return_shape=True,
   )(*old_leaves)
   out_leaves_shape, out_def = jax.tree.flatten(out_shape)
   updates_shape, new_state_shape = jax.tree.unflatten(
-      out_def, list(range(len(out_leaves_shape)))
+    out_def, list(range(len(out_leaves_shape)))
   )
   update_slots = jax.tree.leaves(updates_shape)
   state_slots = jax.tree.leaves(new_state_shape)
@@ -170,14 +175,14 @@ def update_unless(
     if isinstance(v, jex_core.Var):
       count[v] = count.get(v, 0) + 1
   passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
-  for slot, old in zip(state_slots, old_leaves):
+  for slot, old in zip(state_slots, old_leaves, strict=True):
     v = jaxpr.outvars[slot]
     if (
-        isinstance(v, jex_core.Var)
-        and count[v] == 1
-        and v not in passed_through
-        and v.aval.shape == jnp.shape(old)
-        and v.aval.dtype == jnp.result_type(old)
+      isinstance(v, jex_core.Var)
+      and count[v] == 1
+      and v not in passed_through
+      and v.aval.shape == jnp.shape(old)
+      and v.aval.dtype == jnp.result_type(old)
     ):
       select_at[v] = old
 
@@ -192,7 +197,7 @@ def update_unless(
     return _select_after(finite, update, old_state)
   updates = [outs[i] for i in update_slots]
   new_leaves = []
-  for slot, old in zip(state_slots, old_leaves):
+  for slot, old in zip(state_slots, old_leaves, strict=True):
     v = jaxpr.outvars[slot]
     if isinstance(v, jex_core.Var) and v in select_at:
       new_leaves.append(outs[slot])  # already selected where made
@@ -200,8 +205,8 @@ def update_unless(
       new_leaves.append(_select(finite, outs[slot], old))
   updates = jax.tree.unflatten(jax.tree.structure(updates_shape), updates)
   return (
-      zero_unless(finite, updates),
-      jax.tree.unflatten(state_def, new_leaves),
+    zero_unless(finite, updates),
+    jax.tree.unflatten(state_def, new_leaves),
   )
 
 
@@ -215,18 +220,23 @@ def _select_after(finite, update, old_state):
 
 def _structure_changed(old_state, new_state) -> ValueError:
   """The error for an inner update whose state changes structure."""
-  old_paths = {jax.tree_util.keystr(p) for p, _ in
-               jax.tree_util.tree_flatten_with_path(old_state)[0]}
-  new_paths = {jax.tree_util.keystr(p) for p, _ in
-               jax.tree_util.tree_flatten_with_path(new_state)[0]}
+  old_paths = {
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(old_state)[0]
+  }
+  new_paths = {
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(new_state)[0]
+  }
   differing = sorted(old_paths ^ new_paths)[:3] or ["(the node types)"]
   return ValueError(
-      "The inner transformation's `update` returned a state whose structure"
-      " differs from the state it was given, at inner_state"
-      f" {', inner_state'.join(differing)}. A skipped step keeps the old"
-      " state, so the state must keep one structure from `init` on (for"
-      " example, `optax.monitor` does not). Wrap only transformations whose"
-      " `update` returns a state shaped like their `init`'s.")
+    "The inner transformation's `update` returned a state whose structure"
+    " differs from the state it was given, at inner_state"
+    f" {', inner_state'.join(differing)}. A skipped step keeps the old"
+    " state, so the state must keep one structure from `init` on (for"
+    " example, `optax.monitor` does not). Wrap only transformations whose"
+    " `update` returns a state shaped like their `init`'s."
+  )
 
 
 _FALLBACK_REASONS_SAID = set()
@@ -238,17 +248,17 @@ def _warn_fallback(error: Exception) -> None:
     return
   _FALLBACK_REASONS_SAID.add(reason)
   warnings.warn(
-      "optax_lossscale could not select the inner state where the inner"
-      f" update makes it ({reason}); this step takes the plain select after"
-      " the update instead, which is exact but copies the optimizer state."
-      " Please report this with your jax and optax versions.",
-      RuntimeWarning, stacklevel=4)
+    "optax_lossscale could not select the inner state where the inner"
+    f" update makes it ({reason}); this step takes the plain select after"
+    " the update instead, which is exact but copies the optimizer state."
+    " Please report this with your jax and optax versions.",
+    RuntimeWarning,
+    stacklevel=4,
+  )
 
 
 def _traced(*trees) -> bool:
-  return any(
-      isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)
-  )
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 _INLINE = ("jit", "pjit", "closed_call")
@@ -274,9 +284,9 @@ def _eval(jaxpr, consts, args, finite, select_at):
       val = _select(finite, val, select_at[v])
     env[v] = val
 
-  for v, val in zip(jaxpr.constvars, consts):
+  for v, val in zip(jaxpr.constvars, consts, strict=True):
     write(v, val)
-  for v, val in zip(jaxpr.invars, args):
+  for v, val in zip(jaxpr.invars, args, strict=True):
     write(v, val)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -285,18 +295,20 @@ def _eval(jaxpr, consts, args, finite, select_at):
       # Selections wanted on this call's outputs are pushed inside it.
       inner_select = {}
       passed_through = set(sub.jaxpr.invars) | set(sub.jaxpr.constvars)
-      for outer_v, inner_v in zip(eqn.outvars, sub.jaxpr.outvars):
+      for outer_v, inner_v in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
         if (
-            isinstance(outer_v, jex_core.Var)
-            and outer_v in select_at
-            and isinstance(inner_v, jex_core.Var)
-            and inner_v not in passed_through
-            and sum(w is inner_v for w in sub.jaxpr.outvars) == 1
+          isinstance(outer_v, jex_core.Var)
+          and outer_v in select_at
+          and isinstance(inner_v, jex_core.Var)
+          and inner_v not in passed_through
+          and sum(w is inner_v for w in sub.jaxpr.outvars) == 1
         ):
           inner_select[inner_v] = select_at[outer_v]
       with _source_of(eqn, inlined=True):
         outvals = _eval(sub.jaxpr, sub.consts, invals, finite, inner_select)
-      for outer_v, inner_v, val in zip(eqn.outvars, sub.jaxpr.outvars, outvals):
+      for outer_v, inner_v, val in zip(
+        eqn.outvars, sub.jaxpr.outvars, outvals, strict=True
+      ):
         if isinstance(outer_v, _DropVar):
           continue
         if outer_v in select_at and inner_v in inner_select:
@@ -312,7 +324,7 @@ def _eval(jaxpr, consts, args, finite, select_at):
       outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     if not eqn.primitive.multiple_results:
       outvals = [outvals]
-    for v, val in zip(eqn.outvars, outvals):
+    for v, val in zip(eqn.outvars, outvals, strict=True):
       write(v, val)
   return [read(v) for v in jaxpr.outvars]
 
@@ -332,9 +344,12 @@ def _inlinable_jaxpr(eqn):
     sub = eqn.params.get("call_jaxpr")
   if not isinstance(sub, jex_core.ClosedJaxpr):
     return None
-  placed = [s for key in ("in_shardings", "out_shardings")
-            for s in eqn.params.get(key, ())
-            if isinstance(s, jax.sharding.Sharding)]
+  placed = [
+    s
+    for key in ("in_shardings", "out_shardings")
+    for s in eqn.params.get(key, ())
+    if isinstance(s, jax.sharding.Sharding)
+  ]
   if placed or any(eqn.params.get("donated_invars", ())):
     return None
   return sub
@@ -347,9 +362,12 @@ def _source_of(eqn, inlined: bool = False):
     return contextlib.nullcontext()
   stack = contextlib.ExitStack()
   info = eqn.source_info
-  stack.enter_context(_source_info.user_context(
+  stack.enter_context(
+    _source_info.user_context(
       info.traceback,
-      name_stack=_source_info.current_name_stack() + info.name_stack))
+      name_stack=_source_info.current_name_stack() + info.name_stack,
+    )
+  )
   if inlined and eqn.params.get("name"):
     stack.enter_context(_source_info.extend_name_stack(eqn.params["name"]))
   return stack

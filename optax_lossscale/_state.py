@@ -60,11 +60,13 @@ class SkipStats(NamedTuple):
   last_finite: jax.Array
 
 
-def init_loss_scale_state(initial_scale: float, dynamic: bool) -> LossScaleState:
+def init_loss_scale_state(
+  initial_scale: float, dynamic: bool
+) -> LossScaleState:
   return LossScaleState(
-      loss_scale=jnp.asarray(initial_scale, SCALE_DTYPE),
-      counter=jnp.zeros([], COUNTER_DTYPE) if dynamic else None,
-      notfinite_count=jnp.zeros([], COUNTER_DTYPE),
-      total_notfinite=jnp.zeros([], COUNTER_DTYPE),
-      last_finite=jnp.ones([], jnp.bool_),
+    loss_scale=jnp.asarray(initial_scale, SCALE_DTYPE),
+    counter=jnp.zeros([], COUNTER_DTYPE) if dynamic else None,
+    notfinite_count=jnp.zeros([], COUNTER_DTYPE),
+    total_notfinite=jnp.zeros([], COUNTER_DTYPE),
+    last_finite=jnp.ones([], jnp.bool_),
   )

@@ -12,24 +12,24 @@ from optax_lossscale._state import LossScaleState, init_loss_scale_state
 
 
 def unscale_and_check(
-    dynamic: bool = True,
-    initial_scale: float | None = None,
-    dynamic_growth_steps: int | None = None,
-    *,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    min_scale: float = 1.0,
-    max_scale: float | None = None,
-    hysteresis: int = 1,
-    axis_name=None,
+  dynamic: bool = True,
+  initial_scale: float | None = None,
+  dynamic_growth_steps: int | None = None,
+  *,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  min_scale: float = 1.0,
+  max_scale: float | None = None,
+  hysteresis: int = 1,
+  axis_name=None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Unscales gradients, checks that they are finite, and adjusts the scale.
 
   Each ``update`` divides the incoming (scaled) gradients by the scale in
   force *before* this step (in the wider of each gradient's and its
-  parameter's dtype when ``params`` are given), decides whether every element of every leaf is
-  finite (reduced over ``axis_name`` when given), and moves the scale by the
-  rule of :func:`loss_scale_optimizer`. Its state is a
+  parameter's dtype when ``params`` are given), decides whether every element
+  of every leaf is finite (reduced over ``axis_name`` when given), and moves
+  the scale by the rule of :func:`loss_scale_optimizer`. Its state is a
   :class:`LossScaleState`.
 
   What it guarantees: nothing non-finite leaves it. On a non-finite step the
@@ -75,15 +75,22 @@ def unscale_and_check(
     (Array([0., 0.], dtype=float32), Array(4., dtype=float32))
   """
   config = _config.make_config(
-      dynamic, initial_scale, dynamic_growth_steps,
-      growth_factor=growth_factor, backoff_factor=backoff_factor,
-      min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-      axis_name=axis_name,
+    dynamic,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    hysteresis=hysteresis,
+    axis_name=axis_name,
   )
   return _unscale_and_check_from_config(config)
 
 
-def _unscale_and_check_from_config(config) -> optax.GradientTransformationExtraArgs:
+def _unscale_and_check_from_config(
+  config,
+) -> optax.GradientTransformationExtraArgs:
   def init_fn(params):
     del params
     return init_loss_scale_state(config.initial_scale, config.dynamic)
@@ -91,7 +98,8 @@ def _unscale_and_check_from_config(config) -> optax.GradientTransformationExtraA
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     unscaled, finite, new_state = unscale_check_adjust(
-        updates, state, config, params)
+      updates, state, config, params
+    )
     return _skip.zero_unless(finite, unscaled), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -128,8 +136,11 @@ def unscale(updates, loss_scale: jax.Array, params=None):
   # Once per dtype, not per leaf: a step has hundreds of leaves to trace.
   scale_for = functools.cache(functools.partial(_scale_for, loss_scale))
   return jax.tree.map(
-      lambda g, dtype: _unscale_leaf(g, dtype, scale_for),
-      updates, _unscaled_dtypes(updates, params), is_leaf=_is_none)
+    lambda g, dtype: _unscale_leaf(g, dtype, scale_for),
+    updates,
+    _unscaled_dtypes(updates, params),
+    is_leaf=_is_none,
+  )
 
 
 def _scale_for(loss_scale: jax.Array, out_dtype):
@@ -178,18 +189,20 @@ def check_same_structure(updates, params):
   gradients of the fast parameters alongside both). A gradient tree that
   matches neither fails at trace time, whatever the inner transformation
   does with `params`."""
+
   def structure(tree):
     return jax.tree.structure(tree, is_leaf=lambda x: x is None)
 
   if structure(updates) == structure(params):
     return params
-  if (isinstance(params, optax.LookaheadParams)
-      and structure(updates) == structure(params.fast)):
+  if isinstance(params, optax.LookaheadParams) and structure(
+    updates
+  ) == structure(params.fast):
     return params.fast
   raise ValueError(
-      "The gradient tree must have the structure of `params` (or of"
-      " `params.fast` for `optax.lookahead`), got gradients"
-      f" {structure(updates)} and params {structure(params)}."
+    "The gradient tree must have the structure of `params` (or of"
+    " `params.fast` for `optax.lookahead`), got gradients"
+    f" {structure(updates)} and params {structure(params)}."
   )
 
 
@@ -201,8 +214,8 @@ def _unscale_leaf(g, out_dtype, scale_for):
     # can overflow in its intermediate products.
     real_dtype = jnp.finfo(out_dtype).dtype
     return jax.lax.complex(
-        _unscale_leaf(jnp.real(g), real_dtype, scale_for),
-        _unscale_leaf(jnp.imag(g), real_dtype, scale_for),
+      _unscale_leaf(jnp.real(g), real_dtype, scale_for),
+      _unscale_leaf(jnp.imag(g), real_dtype, scale_for),
     ).astype(out_dtype)
   compute_dtype, quarter, reciprocal = scale_for(out_dtype)
   # `lax` directly, not `jnp` operators: each of those traces a call of its
@@ -217,12 +230,12 @@ def check_scalar_state(state: LossScaleState) -> None:
   shape = jnp.shape(state.loss_scale)
   if shape != ():
     raise ValueError(
-        "The loss-scale state must hold a scalar scale, got shape"
-        f" {shape}. This happens when a state made under `jax.vmap` (an"
-        " ensemble of optimizer states) is used outside of it: call"
-        " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
-        " member of the ensemble. A state replicated for `jax.pmap` is the"
-        " same: use it inside `pmap`, or index one replica. The read-outs"
-        " (`loss_scale`, `dynamic_counter`, `skip_stats`) accept such a"
-        " state and give one value per member."
+      "The loss-scale state must hold a scalar scale, got shape"
+      f" {shape}. This happens when a state made under `jax.vmap` (an"
+      " ensemble of optimizer states) is used outside of it: call"
+      " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
+      " member of the ensemble. A state replicated for `jax.pmap` is the"
+      " same: use it inside `pmap`, or index one replica. The read-outs"
+      " (`loss_scale`, `dynamic_counter`, `skip_stats`) accept such a"
+      " state and give one value per member."
     )

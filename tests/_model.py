@@ -61,6 +61,7 @@ def step(state: ModelState, finite: bool, config: ModelConfig) -> ModelState:
   else:
     s.counter = 0
     if s.in_a_row >= config.hysteresis:
-      s.scale = max(f32(s.scale * f32(config.backoff_factor)),
-                    f32(config.min_scale))
+      s.scale = max(
+        f32(s.scale * f32(config.backoff_factor)), f32(config.min_scale)
+      )
   return s

@@ -34,21 +34,30 @@ import orbax.checkpoint as ocp
 
 import optax_lossscale as ols
 
-CONFIG = dict(initial_scale=2.0**10, dynamic_growth_steps=3, hysteresis=2,
-              growth_factor=4.0, backoff_factor=0.25, min_scale=2.0,
-              max_scale=2.0**12)
+CONFIG = dict(
+  initial_scale=2.0**10,
+  dynamic_growth_steps=3,
+  hysteresis=2,
+  growth_factor=4.0,
+  backoff_factor=0.25,
+  min_scale=2.0,
+  max_scale=2.0**12,
+)
 
 
 def init_state():
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {
-      "w1": jax.random.normal(k1, (8, 16), jnp.float32) * 0.3,
-      "b1": jnp.zeros((16,), jnp.float32),
-      "w2": jax.random.normal(k2, (16, 1), jnp.float32) * 0.3,
+    "w1": jax.random.normal(k1, (8, 16), jnp.float32) * 0.3,
+    "b1": jnp.zeros((16,), jnp.float32),
+    "w2": jax.random.normal(k2, (16, 1), jnp.float32) * 0.3,
   }
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), **CONFIG)
-  return tx, {"params": params, "opt_state": tx.init(params),
-              "step": jnp.zeros([], jnp.int32)}
+  return tx, {
+    "params": params,
+    "opt_state": tx.init(params),
+    "step": jnp.zeros([], jnp.int32),
+  }
 
 
 def make_train_step(tx, nan_from, nan_to):
@@ -64,15 +73,21 @@ def make_train_step(tx, nan_from, nan_to):
     y = jnp.sum(x, axis=1, keepdims=True) * 0.1
     params16 = jax.tree.map(lambda p: p.astype(jnp.float16), state["params"])
     grads16 = jax.grad(
-        lambda p: ols.scale_loss(loss_fn(p, x, y), state["opt_state"])
+      lambda p: ols.scale_loss(loss_fn(p, x, y), state["opt_state"])
     )(params16)
     inject = (step >= nan_from) & (step < nan_to)
-    grads16["b1"] = grads16["b1"].at[3].set(
-        jnp.where(inject, jnp.float16(jnp.nan), grads16["b1"][3]))
+    grads16["b1"] = (
+      grads16["b1"]
+      .at[3]
+      .set(jnp.where(inject, jnp.float16(jnp.nan), grads16["b1"][3]))
+    )
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads16)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state, "step": step + 1}
+    return {
+      "params": optax.apply_updates(state["params"], updates),
+      "opt_state": opt_state,
+      "step": step + 1,
+    }
 
   return train_step
 
@@ -99,8 +114,8 @@ def main(argv):
 
   tx, state = init_state()
   manager = ocp.CheckpointManager(
-      os.path.abspath(args.ckpt_dir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=3),
+    os.path.abspath(args.ckpt_dir),
+    options=ocp.CheckpointManagerOptions(max_to_keep=3),
   )
   latest = manager.latest_step()
   if latest is not None:

@@ -7,9 +7,7 @@ import jax
 import pytest
 
 # Both spellings: the config option (newer jax) and the XLA flag (older).
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8"
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 jax.config.update("jax_num_cpu_devices", 8)
 
 # Worker scripts run in subprocesses; `--doctest-modules` must not import them.
@@ -20,9 +18,9 @@ def pytest_configure(config):
   # equinox 0.13.0, the newest that installs with the oldest supported jax
   # (.ci/oldest.txt), reads a name that jax 0.7.1 deprecates, at import.
   config.addinivalue_line(
-      "filterwarnings",
-      "ignore:jax.interpreters.batching.NotMapped is deprecated"
-      ":DeprecationWarning:equinox",
+    "filterwarnings",
+    "ignore:jax.interpreters.batching.NotMapped is deprecated"
+    ":DeprecationWarning:equinox",
   )
 
 
@@ -33,10 +31,10 @@ def pytest_collection_modifyitems(config, items):
   # machine), so the float16 study's 2**17-token training runs for hours
   # there, past CI's time limit. The oldest supported jax runs the rest.
   slow_float16_dot = pytest.mark.skipif(
-      jax.default_backend() == "cpu"
-      and tuple(int(p) for p in jax.lib.__version__.split(".")[:2]) < (0, 8),
-      reason="jaxlib < 0.8 on CPU has no fast float16 dot (about 30x "
-      "slower): the float16 study would run for hours",
+    jax.default_backend() == "cpu"
+    and tuple(int(p) for p in jax.lib.__version__.split(".")[:2]) < (0, 8),
+    reason="jaxlib < 0.8 on CPU has no fast float16 dot (about 30x "
+    "slower): the float16 study would run for hours",
   )
   for item in items:
     if item.path.name == "test_study.py":

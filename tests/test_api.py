@@ -11,8 +11,11 @@ import pytest
 
 import optax_lossscale as ols
 
-PARAMS = {"w": jnp.ones((3, 2)), "h": jnp.ones(4, jnp.float16),
-          "b": jnp.ones(2, jnp.bfloat16)}
+PARAMS = {
+  "w": jnp.ones((3, 2)),
+  "h": jnp.ones(4, jnp.float16),
+  "b": jnp.ones(2, jnp.bfloat16),
+}
 
 
 def test_all_matches_the_exports():
@@ -32,7 +35,9 @@ def test_every_public_name_has_a_runnable_example(name):
 def test_returns_an_extra_args_transformation():
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
-  assert isinstance(ols.unscale_and_check(), optax.GradientTransformationExtraArgs)
+  assert isinstance(
+    ols.unscale_and_check(), optax.GradientTransformationExtraArgs
+  )
 
 
 def test_state_dtypes_are_fixed():
@@ -71,8 +76,9 @@ F32_PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
 
 
 def test_extra_args_reach_the_inner_transformation():
-  tx = ols.loss_scale_optimizer(optax.contrib.reduce_on_plateau(),
-                                initial_scale=2.0)
+  tx = ols.loss_scale_optimizer(
+    optax.contrib.reduce_on_plateau(), initial_scale=2.0
+  )
   state = tx.init(F32_PARAMS)
   _, state = tx.update(F32_PARAMS, state, F32_PARAMS, value=jnp.float32(1.0))
   assert float(state.inner_state.best_value) == 1.0
@@ -80,8 +86,9 @@ def test_extra_args_reach_the_inner_transformation():
 
 def test_init_accepts_shape_dtype_structs():
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
-                        PARAMS)
+  shapes = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), PARAMS
+  )
   abstract = jax.eval_shape(tx.init, shapes)
   concrete = tx.init(PARAMS)
   chex.assert_trees_all_equal_shapes_and_dtypes(abstract, concrete)
@@ -93,7 +100,8 @@ def test_state_is_stable_under_lax_cond():
 
   def f(pred, state):
     return jax.lax.cond(
-        pred, lambda s: tx.update(PARAMS, s, PARAMS)[1], lambda s: s, state)
+      pred, lambda s: tx.update(PARAMS, s, PARAMS)[1], lambda s: s, state
+    )
 
   out = jax.jit(f)(True, state)
   chex.assert_trees_all_equal_shapes_and_dtypes(out, state)
@@ -118,7 +126,8 @@ def test_inside_inject_hyperparams_and_multisteps():
 def test_empty_subtrees_masked_nodes_and_none():
   params = {"a": jnp.ones(2), "empty": {}, "none": None}
   tx = ols.loss_scale_optimizer(
-      optax.masked(optax.adam(1e-3), {"a": True, "empty": {}, "none": None}))
+    optax.masked(optax.adam(1e-3), {"a": True, "empty": {}, "none": None})
+  )
   state = tx.init(params)
   updates, state = jax.jit(tx.update)(params, state, params)
   assert updates["none"] is None and updates["empty"] == {}
@@ -136,8 +145,9 @@ def test_double_wrapping_is_refused():
   tx = ols.loss_scale_optimizer(optax.sgd(0.1))
   with pytest.raises(ValueError, match="already loss-scaled"):
     ols.loss_scale_optimizer(tx)
-  nested = ols.loss_scale_optimizer(optax.chain(ols.unscale_and_check(),
-                                                optax.sgd(0.1)))
+  nested = ols.loss_scale_optimizer(
+    optax.chain(ols.unscale_and_check(), optax.sgd(0.1))
+  )
   with pytest.raises(ValueError, match="must not wrap another"):
     nested.init(PARAMS)
 
@@ -148,8 +158,9 @@ def test_keras_own_errors():
   with pytest.raises(ValueError, match="`initial_scale` must be given"):
     ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False)
   with pytest.raises(ValueError, match="`dynamic_growth_steps` must be None"):
-    ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False, initial_scale=2,
-                             dynamic_growth_steps=10)
+    ols.loss_scale_optimizer(
+      optax.sgd(0.1), dynamic=False, initial_scale=2, dynamic_growth_steps=10
+    )
   with pytest.raises(TypeError, match="`inner` must be an optax"):
     ols.loss_scale_optimizer("adam")
 

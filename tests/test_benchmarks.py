@@ -21,7 +21,8 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 def _load(name):
   spec = importlib.util.spec_from_file_location(
-      f"_bench_{name}", BENCH / f"{name}.py")
+    f"_bench_{name}", BENCH / f"{name}.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -32,8 +33,14 @@ def test_overhead_tiny(capsys):
   out = capsys.readouterr().out
   assert "device:" in out and "jax" in out
   variants = {r["variant"] for r in results}
-  assert {"plain", "ours", "usual_where", "apply_if_finite", "jmp",
-          "flax"} <= variants
+  assert {
+    "plain",
+    "ours",
+    "usual_where",
+    "apply_if_finite",
+    "jmp",
+    "flax",
+  } <= variants
   for r in results:
     assert r["median_s"] > 0 and math.isfinite(r["ratio"])
     assert math.isfinite(r["compile_ratio"])
@@ -57,9 +64,10 @@ def test_train_step_tiny(capsys):
 
 
 @pytest.mark.skipif(
-    jax.default_backend() == "cpu"
-    and tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8),
-    reason="jaxlib < 0.8 records no per-kernel events in CPU profiles")
+  jax.default_backend() == "cpu"
+  and tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8),
+  reason="jaxlib < 0.8 records no per-kernel events in CPU profiles",
+)
 def test_device_time_tiny(capsys):
   results = _load("device_time").main(["--tiny"])
   out = capsys.readouterr().out
@@ -92,17 +100,23 @@ def test_sharded_tiny_report(sharded_tiny):
   results, out = sharded_tiny
   assert "device: 8 x" in out and "jax" in out
   cases = _by_case(results)
-  assert set(cases) == set(itertools.product(
-      ("auto", "explicit"), ("fsdp", "tp"), ("adam", "sgdm")))
-  kinds = {"all-gather", "all-reduce", "all-to-all", "collective-permute",
-           "reduce-scatter"}
+  assert set(cases) == set(
+    itertools.product(("auto", "explicit"), ("fsdp", "tp"), ("adam", "sgdm"))
+  )
+  kinds = {
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+    "reduce-scatter",
+  }
   for case, rows in cases.items():
     assert set(rows) == {"plain", "ours", "jmp", "flax"}, case
     assert rows["plain"]["error"] is None, case
     assert rows["plain"]["ratio"] == pytest.approx(1.0)
     assert rows["plain"]["shardings_kept"]
     for recipe, r in rows.items():
-      if r["error"] is not None:   # reported in its row, not raised
+      if r["error"] is not None:  # reported in its row, not raised
         assert f"{recipe:<6} error: " in out
         continue
       assert r["median_s"] > 0 and math.isfinite(r["ratio"]), (case, recipe)
@@ -126,14 +140,25 @@ def test_sharded_tiny_structural_claims(sharded_tiny):
     assert ours["error"] is None, (case, ours["error"])
     assert ours["shardings_kept"], (case, ours["differing"])
     extra = ours["extra_collectives"]
-    for kind in ("all-gather", "all-to-all", "collective-permute",
-                 "reduce-scatter"):
-      assert extra[kind] <= 0, (case, kind, ours["collectives"],
-                                plain["collectives"])
+    for kind in (
+      "all-gather",
+      "all-to-all",
+      "collective-permute",
+      "reduce-scatter",
+    ):
+      assert extra[kind] <= 0, (
+        case,
+        kind,
+        ours["collectives"],
+        plain["collectives"],
+      )
     # One pmin on an Explicit mesh; on an Auto mesh one scalar per leaf and
     # mesh axis at most, which XLA from jax 0.8 on combines.
-    most = 1 if case[0] == "explicit" else ours["leaves"] * (
-        1 if case[1] == "fsdp" else 2)
+    most = (
+      1
+      if case[0] == "explicit"
+      else ours["leaves"] * (1 if case[1] == "fsdp" else 2)
+    )
     assert extra["all-reduce"] <= most, (case, ours["collectives"])
     assert ours["wide_all_reduces"] <= plain["wide_all_reduces"], case
 
@@ -151,8 +176,10 @@ def _assert_no_gradient_sized_temporary(results):
     if ours["temp_bytes"] - plain["temp_bytes"] >= shard_bytes:
       too_large.append((case, ours["temp_bytes"], plain["temp_bytes"]))
   if _OLD_XLA and too_large and all(c[0][0] == "auto" for c in too_large):
-    pytest.xfail("open with jax < 0.8 on CPU: XLA materializes the input of"
-                 f" the per-leaf sum on Auto meshes: {too_large}")
+    pytest.xfail(
+      "open with jax < 0.8 on CPU: XLA materializes the input of"
+      f" the per-leaf sum on Auto meshes: {too_large}"
+    )
   assert not too_large
 
 
@@ -162,14 +189,27 @@ def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
 
 
 @pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: with shards of 2,048 elements per device (128x128"
-    " leaves over 8 devices), the Auto FSDP step materializes each gradient"
-    " shard; from 192x192 leaves up it does not")
+  strict=True,
+  reason="issue 11: with shards of 2,048 elements per device (128x128"
+  " leaves over 8 devices), the Auto FSDP step materializes each gradient"
+  " shard; from 192x192 leaves up it does not",
+)
 def test_sharded_small_shards_no_gradient_sized_temporary():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     results = _load("sharded").main(
-        ["--tiny", "--size", "128", "--mesh", "auto", "--layout", "fsdp",
-         "--recipes", "ours", "--rounds", "1"])
+      [
+        "--tiny",
+        "--size",
+        "128",
+        "--mesh",
+        "auto",
+        "--layout",
+        "fsdp",
+        "--recipes",
+        "ours",
+        "--rounds",
+        "1",
+      ]
+    )
   _assert_no_gradient_sized_temporary(results)

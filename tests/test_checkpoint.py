@@ -13,13 +13,16 @@ from flax import serialization
 import optax_lossscale as ols
 
 N_STEPS = 12
-BAD = {4, 5, 6, 9}   # an overflow streak (4-6) and a lone overflow
+BAD = {4, 5, 6, 9}  # an overflow streak (4-6) and a lone overflow
 
 
 def _tx():
   return ols.loss_scale_optimizer(
-      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
-      initial_scale=2.0**6, dynamic_growth_steps=2, hysteresis=2)
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    initial_scale=2.0**6,
+    dynamic_growth_steps=2,
+    hysteresis=2,
+  )
 
 
 def _params():
@@ -44,6 +47,7 @@ def step():
     _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
   return step
 
 
@@ -55,13 +59,13 @@ def _run(step, params, opt_state, start, stop):
 
 def _assert_bit_identical(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape
     assert x.tobytes() == y.tobytes()
 
 
-@pytest.mark.parametrize("save_at", [3, 5])   # 5: inside the overflow streak
+@pytest.mark.parametrize("save_at", [3, 5])  # 5: inside the overflow streak
 def test_orbax_resume_is_bit_identical(tmp_path, step, save_at):
   tx = _tx()
   params0 = _params()
@@ -80,13 +84,15 @@ def test_orbax_resume_is_bit_identical(tmp_path, step, save_at):
 
   # Restore into a fresh process-like target: the structure of a new init.
   abstract = jax.tree.map(
-      ocp.utils.to_shape_dtype_struct,
-      {"params": params0, "opt_state": tx.init(params0)})
+    ocp.utils.to_shape_dtype_struct,
+    {"params": params0, "opt_state": tx.init(params0)},
+  )
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(path, abstract)
   assert isinstance(restored["opt_state"], ols.LossScaleOptimizerState)
-  resumed = _run(step, restored["params"], restored["opt_state"], save_at,
-                 N_STEPS)
+  resumed = _run(
+    step, restored["params"], restored["opt_state"], save_at, N_STEPS
+  )
   _assert_bit_identical(resumed, full)
   # The run really exercised the rule: backoffs, growth, skips.
   assert int(ols.skip_stats(full[1]).total_skipped) == len(BAD)
@@ -94,13 +100,14 @@ def test_orbax_resume_is_bit_identical(tmp_path, step, save_at):
 
 def test_pytree_checkpointer_roundtrip(tmp_path, step):
   tx = _tx()
-  params, opt_state = _run(step, _params(), tx.init(_params()), 0, 5)
+  _, opt_state = _run(step, _params(), tx.init(_params()), 0, 5)
   ckptr = ocp.PyTreeCheckpointer()
   ckptr.save(tmp_path / "pt", {"opt_state": opt_state})
   target = {"opt_state": tx.init(_params())}
   restored = ckptr.restore(
-      tmp_path / "pt", item=target,
-      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    tmp_path / "pt",
+    item=target,
+    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
   )["opt_state"]
   _assert_bit_identical(restored, opt_state)
   assert type(restored) is ols.LossScaleOptimizerState
@@ -113,10 +120,15 @@ def test_flax_state_dict_named_fields(step):
   d = serialization.to_state_dict(opt_state)
   assert set(d) == {"loss_scale_state", "inner_state"}
   assert set(d["loss_scale_state"]) == {
-      "loss_scale", "counter", "notfinite_count", "total_notfinite",
-      "last_finite"}
+    "loss_scale",
+    "counter",
+    "notfinite_count",
+    "total_notfinite",
+    "last_finite",
+  }
   assert float(d["loss_scale_state"]["loss_scale"]) == float(
-      ols.loss_scale(opt_state))
+    ols.loss_scale(opt_state)
+  )
   # And back, through msgpack bytes.
   blob = serialization.to_bytes(opt_state)
   back = serialization.from_bytes(tx.init(_params()), blob)
@@ -124,12 +136,14 @@ def test_flax_state_dict_named_fields(step):
 
 
 def test_static_scale_state_checkpoints(tmp_path):
-  tx = ols.loss_scale_optimizer(optax.sgd(0.1), dynamic=False,
-                                initial_scale=128.0)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1), dynamic=False, initial_scale=128.0
+  )
   state = tx.init(_params())
   assert ols.dynamic_counter(state) is None
-  back = serialization.from_bytes(tx.init(_params()),
-                                  serialization.to_bytes(state))
+  back = serialization.from_bytes(
+    tx.init(_params()), serialization.to_bytes(state)
+  )
   assert ols.dynamic_counter(back) is None
   _assert_bit_identical(back, state)
 
@@ -149,18 +163,25 @@ def test_migrate_plain_optax_checkpoint(tmp_path):
     ckptr.wait_until_finished()
 
   tx = ols.loss_scale_optimizer(
-      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  )
   with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(tmp_path / "old", jax.tree.map(
+    restored = ckptr.restore(
+      tmp_path / "old",
+      jax.tree.map(
         ocp.utils.to_shape_dtype_struct,
-        {"params": _params(), "opt_state": inner.init(_params())}))
+        {"params": _params(), "opt_state": inner.init(_params())},
+      ),
+    )
   # The documented one-liner:
   opt_state = tx.init(restored["params"])._replace(
-      inner_state=restored["opt_state"])
+    inner_state=restored["opt_state"]
+  )
   # ... and its spelled-out equivalent:
   alt = ols.LossScaleOptimizerState(
-      loss_scale_state=tx.init(restored["params"]).loss_scale_state,
-      inner_state=restored["opt_state"])
+    loss_scale_state=tx.init(restored["params"]).loss_scale_state,
+    inner_state=restored["opt_state"],
+  )
   _assert_bit_identical(alt, opt_state)
   assert float(ols.loss_scale(opt_state)) == 2.0**15
   assert int(ols.dynamic_counter(opt_state)) == 0
@@ -169,7 +190,8 @@ def test_migrate_plain_optax_checkpoint(tmp_path):
   grads = jax.grad(_loss)(restored["params"], _x(3))
   ref_updates, ref_state = inner.update(grads, plain_state, params)
   scaled = jax.grad(lambda p: ols.scale_loss(_loss(p, _x(3)), opt_state))(
-      restored["params"])
+    restored["params"]
+  )
   updates, opt_state = tx.update(scaled, opt_state, restored["params"])
   chex.assert_trees_all_equal(updates, ref_updates)
   chex.assert_trees_all_equal(opt_state.inner_state, ref_state)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
 
@@ -36,16 +37,21 @@ def _batch(poison_replica=None):
 
 
 def _params():
-  return {"w": jnp.full((3,), 0.1, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  return {
+    "w": jnp.full((3,), 0.1, jnp.float32),
+    "b": jnp.zeros((), jnp.float32),
+  }
 
 
 def _replicate(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape), tree)
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), tree)
 
 
 def _same_across_replicas(tree):
-  return all(bool(np.all(np.asarray(a) == np.asarray(a)[0]))
-             for a in jax.tree.leaves(tree))
+  return all(
+    bool(np.all(np.asarray(a) == np.asarray(a)[0]))
+    for a in jax.tree.leaves(tree)
+  )
 
 
 def _mesh(name):
@@ -59,13 +65,15 @@ def _pmap_step(tx, average_grads):
       grads = jax.lax.pmean(grads, "i")
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
   return jax.pmap(step, axis_name="i")
 
 
 def test_pmap_axis_name_every_replica_skips():
   assert jax.device_count() >= N
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10,
-                                axis_name="i")
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), initial_scale=2.0**10, axis_name="i"
+  )
   params = _replicate(_params())
   opt_state = _replicate(tx.init(_params()))
   # Per-replica gradients are not averaged: only the reduced finite flag
@@ -74,9 +82,13 @@ def test_pmap_axis_name_every_replica_skips():
   p1, s1 = step(params, opt_state, _batch())
   assert not np.array_equal(p1["w"], params["w"])
   p2, s2 = step(p1, s1, _batch(poison_replica=3))
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
-    np.testing.assert_array_equal(a, b)          # every replica skipped
-  for a, b in zip(jax.tree.leaves(s2.inner_state), jax.tree.leaves(s1.inner_state)):
+  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
+    np.testing.assert_array_equal(a, b)  # every replica skipped
+  for a, b in zip(
+    jax.tree.leaves(s2.inner_state),
+    jax.tree.leaves(s1.inner_state),
+    strict=True,
+  ):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(s2.loss_scale_state.loss_scale, 2.0**9)
   assert not np.any(s2.loss_scale_state.last_finite)
@@ -84,8 +96,9 @@ def test_pmap_axis_name_every_replica_skips():
 
 
 def test_pmap_averaged_grads_params_stay_identical():
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10,
-                                axis_name="i")
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), initial_scale=2.0**10, axis_name="i"
+  )
   step = _pmap_step(tx, average_grads=True)
   params, state = _replicate(_params()), _replicate(tx.init(_params()))
   for poison in (None, 5, None, 0, None):
@@ -109,11 +122,11 @@ def test_pmap_without_axis_name_replicas_diverge():
   x = jnp.broadcast_to(_batch()[0], (N, 2, 3))
   x = x.at[3, 0, 0].set(jnp.nan)
   p1, s1 = _pmap_step(tx, average_grads=False)(params, state, x)
-  assert not _same_across_replicas(p1)             # diverged
-  np.testing.assert_array_equal(p1["w"][3], params["w"][3])   # skipped
-  assert not np.array_equal(p1["w"][0], params["w"][0])       # applied
+  assert not _same_across_replicas(p1)  # diverged
+  np.testing.assert_array_equal(p1["w"][3], params["w"][3])  # skipped
+  assert not np.array_equal(p1["w"][0], params["w"][0])  # applied
   scales = np.asarray(s1.loss_scale_state.loss_scale)
-  assert scales[3] == 2.0**9 and scales[0] == 2.0**10         # scales differ
+  assert scales[3] == 2.0**9 and scales[0] == 2.0**10  # scales differ
 
 
 def _shard_map_step(tx, mesh, average_grads):
@@ -129,25 +142,33 @@ def _shard_map_step(tx, mesh, average_grads):
   # Params carry a per-device leading axis so that divergence is visible;
   # the optimizer state is replicated (P()), which is only correct when the
   # flag is reduced: check_vma=False lets us also show the wrong case.
-  f = jax.jit(jax.shard_map(
-      local, mesh=mesh, in_specs=(P("d"), P(), P("d")),
-      out_specs=(P("d"), P()), check_vma=False))
+  f = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P("d"), P(), P("d")),
+      out_specs=(P("d"), P()),
+      check_vma=False,
+    )
+  )
   shard = NamedSharding(mesh, P("d"))
   rep = NamedSharding(mesh, P())
-  return lambda p, s, x: f(jax.device_put(p, shard), jax.device_put(s, rep),
-                           jax.device_put(x, shard))
+  return lambda p, s, x: f(
+    jax.device_put(p, shard), jax.device_put(s, rep), jax.device_put(x, shard)
+  )
 
 
 def test_shard_map_axis_name_every_shard_skips():
   mesh = _mesh("d")
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10,
-                                axis_name="d")
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), initial_scale=2.0**10, axis_name="d"
+  )
   step = _shard_map_step(tx, mesh, average_grads=False)
   params, state = _replicate(_params()), tx.init(_params())
   p1, s1 = step(params, state, _batch())
   assert not np.array_equal(p1["w"], params["w"])
   p2, s2 = step(p1, s1, _batch(poison_replica=6))
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
     np.testing.assert_array_equal(a, b)
   assert float(ols.loss_scale(s2)) == 2.0**9
   assert int(ols.skip_stats(s2).total_skipped) == 1
@@ -155,8 +176,9 @@ def test_shard_map_axis_name_every_shard_skips():
 
 def test_shard_map_averaged_grads_params_identical():
   mesh = _mesh("d")
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10,
-                                axis_name="d")
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), initial_scale=2.0**10, axis_name="d"
+  )
   step = _shard_map_step(tx, mesh, average_grads=True)
   params, state = _replicate(_params()), tx.init(_params())
   for poison in (None, 2, None):
@@ -177,9 +199,15 @@ def test_shard_map_without_axis_name_shards_diverge():
     p = optax.apply_updates(p, updates)
     return jax.tree.map(lambda a: a[None], (p, s))
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d"), P("d")),
-                            out_specs=P("d")))
-  step = lambda *a: f(*jax.device_put(a, NamedSharding(mesh, P("d"))))
+  f = jax.jit(
+    jax.shard_map(
+      local, mesh=mesh, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")
+    )
+  )
+
+  def step(*a):
+    return f(*jax.device_put(a, NamedSharding(mesh, P("d"))))
+
   x = jnp.broadcast_to(_batch()[0], (N, 2, 3)).at[6, 0, 0].set(jnp.nan)
   params = _replicate(_params())
   p1, s1 = step(params, _replicate(tx.init(_params())), x)
@@ -191,23 +219,29 @@ def test_shard_map_without_axis_name_shards_diverge():
 
 def _jit_step(tx):
   def step(params, opt_state, x):
-    loss, grads = ols.value_and_grad(_loss)(opt_state, params, x)
+    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
   return jax.jit(step)
 
 
 def test_jit_named_sharding_data_parallel_global_skip():
   mesh = _mesh("data")
   rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10)  # no axis_name
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), initial_scale=2.0**10
+  )  # no axis_name
   params = jax.device_put(_params(), rep)
   state = jax.device_put(tx.init(_params()), rep)
   step = _jit_step(tx)
-  xs = lambda poison: jax.device_put(_batch(poison).reshape(N * 2, 3), data)
+
+  def xs(poison):
+    return jax.device_put(_batch(poison).reshape(N * 2, 3), data)
+
   p1, s1 = step(params, state, xs(None))
-  p2, s2 = step(p1, s1, xs(4))            # NaN lives in one shard only
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+  p2, s2 = step(p1, s1, xs(4))  # NaN lives in one shard only
+  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
     np.testing.assert_array_equal(a, b)
     assert a.sharding.is_fully_replicated
     # every device's copy equals the others
@@ -224,9 +258,11 @@ def test_jit_sharded_params_and_optimizer_state():
   params = {"w": jax.device_put(w, NamedSharding(mesh, P("model")))}
   # Shard the inner state like the params; the scalars are replicated.
   state = jax.tree.map(
-      lambda a: jax.device_put(
-          a, NamedSharding(mesh, P("model") if a.ndim else P())),
-      tx.init(params))
+    lambda a: jax.device_put(
+      a, NamedSharding(mesh, P("model") if a.ndim else P())
+    ),
+    tx.init(params),
+  )
   assert state.inner_state[0].mu["w"].sharding.spec == P("model")
 
   def loss(p, x):
@@ -241,11 +277,16 @@ def test_jit_sharded_params_and_optimizer_state():
   x = jax.device_put(jnp.ones(N * 4), NamedSharding(mesh, P("model")))
   p1, s1 = step(params, state, x)
   assert not np.array_equal(p1["w"], params["w"])
-  x_bad = jax.device_put(jnp.ones(N * 4).at[N * 4 - 1].set(jnp.inf),
-                         NamedSharding(mesh, P("model")))   # last shard only
+  x_bad = jax.device_put(
+    jnp.ones(N * 4).at[N * 4 - 1].set(jnp.inf), NamedSharding(mesh, P("model"))
+  )  # last shard only
   p2, s2 = step(p1, s1, x_bad)
-  np.testing.assert_array_equal(p2["w"], p1["w"])         # all shards skipped
-  for a, b in zip(jax.tree.leaves(s2.inner_state), jax.tree.leaves(s1.inner_state)):
+  np.testing.assert_array_equal(p2["w"], p1["w"])  # all shards skipped
+  for a, b in zip(
+    jax.tree.leaves(s2.inner_state),
+    jax.tree.leaves(s1.inner_state),
+    strict=True,
+  ):
     np.testing.assert_array_equal(a, b)
   assert p2["w"].sharding.spec == P("model")
   assert s2.inner_state[0].mu["w"].sharding.spec == P("model")
@@ -275,16 +316,19 @@ def two_processes(tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp("two_processes")
   port = _free_port()
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)   # the worker sets its own device count
+  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
   env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")]
+  )
   outs = [tmp_path / f"out{i}.json" for i in range(2)]
   procs = [
-      subprocess.Popen([sys.executable, _WORKER, str(port), str(i),
-                        str(outs[i])],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       env=env)
-      for i in range(2)
+    subprocess.Popen(
+      [sys.executable, _WORKER, str(port), str(i), str(outs[i])],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      env=env,
+    )
+    for i in range(2)
   ]
   logs = []
   try:
@@ -294,7 +338,7 @@ def two_processes(tmp_path_factory):
     for p in procs:
       p.kill()
     pytest.fail("multi-process workers timed out")
-  for p, log in zip(procs, logs):
+  for p, log in zip(procs, logs, strict=True):
     assert p.returncode == 0, log[-3000:]
   return [json.loads(o.read_text()) for o in outs]
 
@@ -306,7 +350,7 @@ def test_two_processes_skip_together(two_processes):
     assert r["process_count"] == 2 and r["device_count"] == 8
     assert r["local_device_count"] == 4
     for kind in ("jit", "shard_map"):
-      assert r[kind]["scale2"] == 128.0   # backed off from 256 in both
+      assert r[kind]["scale2"] == 128.0  # backed off from 256 in both
     assert r["jit"]["step1_changed"] and r["jit"]["step2_unchanged"]
     assert not r["jit"]["last_finite2"]
     assert r["shard_map"]["step1_changed_all"]
@@ -316,10 +360,9 @@ def test_two_processes_skip_together(two_processes):
 
 
 def _worker_module():
-  spec = importlib.util.spec_from_file_location("_multiprocess_worker",
-                                                _WORKER)
+  spec = importlib.util.spec_from_file_location("_multiprocess_worker", _WORKER)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)   # defines the FSDP problem, starts nothing
+  spec.loader.exec_module(module)  # defines the FSDP problem, starts nothing
   return module
 
 
@@ -351,7 +394,7 @@ def test_two_processes_fsdp_explicit_mesh(two_processes):
   assert single["mu_specs"] == r0["mu_specs"]
   for key in ("params3", "state3"):
     assert len(single[key]) == len(r0[key])
-    for a, b in zip(single[key], r0[key]):
+    for a, b in zip(single[key], r0[key], strict=True):
       # Collectives over gloo sum in another order than in-process ones
       # (a few ulps apart after three steps); a step taken or skipped
       # differently would move params by about the learning rate, 1e-2.

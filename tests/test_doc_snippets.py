@@ -11,14 +11,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def python_blocks(path: pathlib.Path) -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```", path.read_text(),
-                    flags=re.S | re.M)
+  return re.findall(
+    r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M
+  )
 
 
 @pytest.mark.skipif(
-    not hasattr(importlib.import_module("flax.nnx"), "as_pure"),
-    reason="the page's jmp comparison uses nnx.as_pure, which flax 0.12.0"
-    " (the newest that installs with jax 0.7) lacks")
+  not hasattr(importlib.import_module("flax.nnx"), "as_pure"),
+  reason="the page's jmp comparison uses nnx.as_pure, which flax 0.12.0"
+  " (the newest that installs with jax 0.7) lacks",
+)
 def test_frameworks_page_runs(capsys):
   blocks = python_blocks(ROOT / "docs" / "frameworks.md")
   assert len(blocks) == 8
@@ -26,13 +28,13 @@ def test_frameworks_page_runs(capsys):
   for i, block in enumerate(blocks):
     try:
       exec(compile(block, f"docs/frameworks.md block {i}", "exec"), namespace)
-    except Exception as e:  # noqa: BLE001 - name the block that failed
+    except Exception as e:
       pytest.fail(f"block {i} failed: {e!r}\n{block}")
   out = capsys.readouterr().out
   assert re.search(r"loss \d\.\d{3}  scale \d+", out), out
 
 
-README_SETUP = '''
+README_SETUP = """
 import functools
 import jax, jax.numpy as jnp, optax
 import flax.linen as nn
@@ -50,7 +52,7 @@ batch = {"x": jnp.linspace(-1, 1, 24).reshape(8, 3), "y": jnp.ones((8, 1))}
 batches = jax.tree.map(lambda x: jnp.stack([x] * 4), batch)
 stacked_params = jax.tree.map(lambda x: jnp.stack([x] * 3), params)
 stacked_batches = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
-'''
+"""
 
 
 def _readme_block(after: str, containing: str) -> str:
@@ -68,10 +70,10 @@ def test_readme_training_snippets_run():
   ns: dict = {}
   exec(README_SETUP, ns)
   for after, containing in [
-      ("## Quick start", "def train_step"),
-      ("## Quick start", "ols.skip_stats(opt_state)"),
-      ("### Training loops", "def scan_body"),
-      ("### Scaling out", "jax.pmap"),
+    ("## Quick start", "def train_step"),
+    ("## Quick start", "ols.skip_stats(opt_state)"),
+    ("### Training loops", "def scan_body"),
+    ("### Scaling out", "jax.pmap"),
   ]:
     exec(_readme_block(after, containing), ns)
   fsdp_ns: dict = {}

@@ -18,18 +18,25 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # The converted Flax tutorial is written against the current flax, whose
 # `nnx.view` flax 0.12.0 (the newest that installs with jax 0.7) lacks.
 _needs_nnx_view = pytest.mark.skipif(
-    not hasattr(importlib.import_module("flax.nnx"), "view"),
-    reason="the converted tutorial uses nnx.view, which this flax lacks")
+  not hasattr(importlib.import_module("flax.nnx"), "view"),
+  reason="the converted tutorial uses nnx.view, which this flax lacks",
+)
 
 
 @functools.cache
 def _run(script: pathlib.Path) -> tuple[str, dict]:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+  )
   proc = subprocess.run(
-      [sys.executable, str(script), "--tiny"], capture_output=True, text=True,
-      env=env, cwd=ROOT, check=False)
+    [sys.executable, str(script), "--tiny"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   lines = proc.stdout.splitlines()
   assert lines[-1].startswith("RESULT "), proc.stdout
@@ -45,10 +52,13 @@ def test_the_four_examples_are_there():
 
 
 @pytest.mark.parametrize(
-    "script",
-    [pytest.param(p, marks=_needs_nnx_view) if "tutorial" in p.stem else p
-     for p in EXAMPLES],
-    ids=lambda p: p.stem)
+  "script",
+  [
+    pytest.param(p, marks=_needs_nnx_view) if "tutorial" in p.stem else p
+    for p in EXAMPLES
+  ],
+  ids=lambda p: p.stem,
+)
 def test_example_trains_in_float16(script):
   stdout, result = _run(script)
   first = result.get("first_loss", result.get("first_train_loss"))

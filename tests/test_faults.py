@@ -18,6 +18,7 @@ The totals are printed at the end of the module.
 
 import functools
 
+import _model
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,6 @@ from hypothesis import HealthCheck, given, settings
 from jax import lax
 
 import optax_lossscale as ols
-import _model
 
 T = 48  # steps per schedule
 F16_MAX = float(np.finfo(np.float16).max)
@@ -39,30 +39,52 @@ N_LEAVES = 4
 NONE, NAN, POS_INF, NEG_INF, SCALED_OVERFLOW, UNSCALED_OVERFLOW = range(6)
 CODE_NAMES = ("none", "nan", "+inf", "-inf", "6e4*scale", "3e38")
 
-TOTALS = {"schedules": 0, "steps": 0, "faults_injected": 0,
-          "faults_non_finite": 0, "steps_skipped": 0, "corruptions": 0}
+TOTALS = {
+  "schedules": 0,
+  "steps": 0,
+  "faults_injected": 0,
+  "faults_non_finite": 0,
+  "steps_skipped": 0,
+  "corruptions": 0,
+}
 
 CONFIGS = {
-    # Keras defaults but a short growth period, so the scale moves.
-    "keras-like": dict(dynamic_growth_steps=4),
-    # Hysteresis, odd factors (not powers of two), min and max.
-    "hysteresis3-odd-factors": dict(
-        initial_scale=2.0**8, dynamic_growth_steps=2, growth_factor=3.0,
-        backoff_factor=0.3, min_scale=4.0, max_scale=2.0**12, hysteresis=3),
-    # A scale below 1, float32 gradients: 3e38 overflows when unscaled.
-    "below-one": dict(
-        initial_scale=0.25, dynamic_growth_steps=5, min_scale=2.0**-4,
-        max_scale=64.0),
-    # Grows after every finite step, pinned at max_scale.
-    "hysteresis2-pinned-max": dict(
-        initial_scale=2.0**14, dynamic_growth_steps=1, max_scale=2.0**16,
-        hysteresis=2),
-    # Static: non-finite steps are skipped, the scale never moves.
-    "static": dict(dynamic=False, initial_scale=128.0),
-    # An inner state with float hyperparameters and a schedule driven by the
-    # inner count (inject_hyperparams), which must not advance on skips.
-    "inject-hyperparams": dict(initial_scale=2.0**12, dynamic_growth_steps=3,
-                               backoff_factor=0.125, max_scale=2.0**13),
+  # Keras defaults but a short growth period, so the scale moves.
+  "keras-like": dict(dynamic_growth_steps=4),
+  # Hysteresis, odd factors (not powers of two), min and max.
+  "hysteresis3-odd-factors": dict(
+    initial_scale=2.0**8,
+    dynamic_growth_steps=2,
+    growth_factor=3.0,
+    backoff_factor=0.3,
+    min_scale=4.0,
+    max_scale=2.0**12,
+    hysteresis=3,
+  ),
+  # A scale below 1, float32 gradients: 3e38 overflows when unscaled.
+  "below-one": dict(
+    initial_scale=0.25,
+    dynamic_growth_steps=5,
+    min_scale=2.0**-4,
+    max_scale=64.0,
+  ),
+  # Grows after every finite step, pinned at max_scale.
+  "hysteresis2-pinned-max": dict(
+    initial_scale=2.0**14,
+    dynamic_growth_steps=1,
+    max_scale=2.0**16,
+    hysteresis=2,
+  ),
+  # Static: non-finite steps are skipped, the scale never moves.
+  "static": dict(dynamic=False, initial_scale=128.0),
+  # An inner state with float hyperparameters and a schedule driven by the
+  # inner count (inject_hyperparams), which must not advance on skips.
+  "inject-hyperparams": dict(
+    initial_scale=2.0**12,
+    dynamic_growth_steps=3,
+    backoff_factor=0.125,
+    max_scale=2.0**13,
+  ),
 }
 
 # Configurations whose (float16-computed) gradients reach `update` cast to
@@ -70,9 +92,9 @@ CONFIGS = {
 F32_GRADS = {"inject-hyperparams", "below-one"}
 
 INNERS = {
-    "inject-hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, 40),
-        weight_decay=1e-4),
+  "inject-hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 40), weight_decay=1e-4
+  ),
 }
 
 
@@ -81,12 +103,14 @@ def model_config(kwargs):
   cfg.dynamic = kwargs.get("dynamic", True)
   if "initial_scale" in kwargs:
     cfg.initial_scale = kwargs["initial_scale"]
-  for ours, theirs in [("dynamic_growth_steps", "growth_steps"),
-                       ("growth_factor", "growth_factor"),
-                       ("backoff_factor", "backoff_factor"),
-                       ("min_scale", "min_scale"),
-                       ("max_scale", "max_scale"),
-                       ("hysteresis", "hysteresis")]:
+  for ours, theirs in [
+    ("dynamic_growth_steps", "growth_steps"),
+    ("growth_factor", "growth_factor"),
+    ("backoff_factor", "backoff_factor"),
+    ("min_scale", "min_scale"),
+    ("max_scale", "max_scale"),
+    ("hysteresis", "hysteresis"),
+  ]:
     if ours in kwargs:
       setattr(cfg, theirs, kwargs[ours])
   return cfg
@@ -105,30 +129,37 @@ def _bits_equal(a, b):
 def _tree_bits_equal(a, b):
   if jax.tree.structure(a) != jax.tree.structure(b):
     return jnp.zeros([], jnp.bool_)
-  flags = [_bits_equal(x, y) for x, y in
-           zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  flags = [
+    _bits_equal(x, y)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  ]
   return jnp.all(jnp.stack(flags)) if flags else jnp.ones([], jnp.bool_)
 
 
 def _tree_finite(tree):
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-           if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  flags = [
+    jnp.all(jnp.isfinite(x))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+  ]
   return jnp.all(jnp.stack(flags)) if flags else jnp.ones([], jnp.bool_)
 
 
 def init_params():
   k1, k2 = jax.random.split(jax.random.key(42))
   return {
-      "w1": jax.random.normal(k1, (4, 8), jnp.float32) * 0.5,
-      "b1": jnp.zeros((8,), jnp.float32),
-      "w2": jax.random.normal(k2, (8, 2), jnp.float32) * 0.5,
-      "b2": jnp.zeros((2,), jnp.float32),
+    "w1": jax.random.normal(k1, (4, 8), jnp.float32) * 0.5,
+    "b1": jnp.zeros((8,), jnp.float32),
+    "w2": jax.random.normal(k2, (8, 2), jnp.float32) * 0.5,
+    "b2": jnp.zeros((2,), jnp.float32),
   }
 
 
 def make_tx(config_name):
-  inner = INNERS.get(config_name, lambda: optax.chain(
-      optax.clip_by_global_norm(1.0), optax.adam(1e-2)))()
+  inner = INNERS.get(
+    config_name,
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+  )()
   return ols.loss_scale_optimizer(inner, **CONFIGS[config_name])
 
 
@@ -137,7 +168,7 @@ def _mlp_loss(p16, x, y):
   return jnp.mean((h @ p16["w2"] + p16["b2"] - y) ** 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_run(config_name):
   tx = make_tx(config_name)
 
@@ -148,11 +179,15 @@ def compiled_run(config_name):
     x = jax.random.normal(key, (16, 4), jnp.float32).astype(jnp.float16)
     y = jnp.stack([jnp.sum(x, 1), x[:, 0]], 1) * jnp.float16(0.5)
     p16 = jax.tree.map(lambda p: p.astype(jnp.float16), params)
-    grads = jax.grad(
-        lambda p: ols.scale_loss(_mlp_loss(p, x, y), opt_state))(p16)
+    grads = jax.grad(lambda p: ols.scale_loss(_mlp_loss(p, x, y), opt_state))(
+      p16
+    )
     scale = ols.loss_scale(opt_state)
-    value = jnp.stack([
-        jnp.float32(0), jnp.float32(jnp.nan), jnp.float32(jnp.inf),
+    value = jnp.stack(
+      [
+        jnp.float32(0),
+        jnp.float32(jnp.nan),
+        jnp.float32(jnp.inf),
         jnp.float32(-jnp.inf),
         jnp.float32(6e4) * scale,  # overflows float16 once scale > 1.09
         # Overflows when unscaled by a scale below 1 (float32 gradients). A
@@ -161,43 +196,53 @@ def compiled_run(config_name):
         # to prevent: only the configuration whose scale stays below 1 and
         # whose inner clips gets it; the others get a harmless 6e4.
         jnp.float32(3e38 if config_name == "below-one" else 6e4),
-    ])[code]
-    value = value.astype(jnp.float32 if config_name in F32_GRADS
-                         else jnp.float16)
+      ]
+    )[code]
+    value = value.astype(
+      jnp.float32 if config_name in F32_GRADS else jnp.float16
+    )
     leaves, treedef = jax.tree.flatten(grads)
     if config_name in F32_GRADS:
       leaves = [g.astype(jnp.float32) for g in leaves]
     leaves = [
-        jnp.where((code != NONE) & (leaf == i),
-                  g.ravel().at[pos % g.size].set(value).reshape(g.shape), g)
-        for i, g in enumerate(leaves)
+      jnp.where(
+        (code != NONE) & (leaf == i),
+        g.ravel().at[pos % g.size].set(value).reshape(g.shape),
+        g,
+      )
+      for i, g in enumerate(leaves)
     ]
     grads = jax.tree.unflatten(treedef, leaves)
     # The harness's own finiteness verdict: every element of every gradient,
     # unscaled in float32 (the master params' dtype), is finite.
-    expected_finite = jnp.all(jnp.stack([
-        jnp.all(jnp.isfinite(g.astype(jnp.float32) / scale))
-        for g in leaves]))
+    expected_finite = jnp.all(
+      jnp.stack(
+        [jnp.all(jnp.isfinite(g.astype(jnp.float32) / scale)) for g in leaves]
+      )
+    )
 
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     lss = new_opt_state.loss_scale_state
     out = dict(
-        expected_finite=expected_finite,
-        scale=lss.loss_scale,
-        counter=(lss.counter if lss.counter is not None
-                 else jnp.zeros([], jnp.int32)),
-        in_a_row=lss.notfinite_count,
-        total=lss.total_notfinite,
-        last_finite=lss.last_finite,
-        params_finite=_tree_finite(new_params),
-        inner_finite=_tree_finite(new_opt_state.inner_state),
-        params_same=_tree_bits_equal(new_params, params),
-        inner_same=_tree_bits_equal(new_opt_state.inner_state,
-                                    opt_state.inner_state),
-        dtypes_same=jnp.asarray(
-            jax.tree.map(lambda a: a.dtype, new_opt_state)
-            == jax.tree.map(lambda a: a.dtype, opt_state)),
+      expected_finite=expected_finite,
+      scale=lss.loss_scale,
+      counter=(
+        lss.counter if lss.counter is not None else jnp.zeros([], jnp.int32)
+      ),
+      in_a_row=lss.notfinite_count,
+      total=lss.total_notfinite,
+      last_finite=lss.last_finite,
+      params_finite=_tree_finite(new_params),
+      inner_finite=_tree_finite(new_opt_state.inner_state),
+      params_same=_tree_bits_equal(new_params, params),
+      inner_same=_tree_bits_equal(
+        new_opt_state.inner_state, opt_state.inner_state
+      ),
+      dtypes_same=jnp.asarray(
+        jax.tree.map(lambda a: a.dtype, new_opt_state)
+        == jax.tree.map(lambda a: a.dtype, opt_state)
+      ),
     )
     return (new_params, new_opt_state), out
 
@@ -214,12 +259,12 @@ def compiled_run(config_name):
 
 def schedule_strategy():
   event = st.tuples(
-      st.integers(0, T - 1),                      # start
-      st.sampled_from([1, 1, 1, 2, 3, 5, 8, 20]),  # length: alone or burst
-      st.integers(NAN, UNSCALED_OVERFLOW),        # code
-      st.integers(0, N_LEAVES - 1),               # leaf
-      st.integers(0, 2**20),                      # element (mod leaf size)
-      st.booleans(),                              # mixed codes in the burst
+    st.integers(0, T - 1),  # start
+    st.sampled_from([1, 1, 1, 2, 3, 5, 8, 20]),  # length: alone or burst
+    st.integers(NAN, UNSCALED_OVERFLOW),  # code
+    st.integers(0, N_LEAVES - 1),  # leaf
+    st.integers(0, 2**20),  # element (mod leaf size)
+    st.booleans(),  # mixed codes in the burst
   )
   return st.lists(event, max_size=8)
 
@@ -247,11 +292,20 @@ def check_against_model(config_name, code, outs):
     if code[t] in (NAN, POS_INF, NEG_INF) and finite:
       problems.append((t, "harness: an injected NaN/inf counted finite"))
     state = _model.step(state, finite, cfg)
-    got = (float(outs["scale"][t]), int(outs["counter"][t]),
-           int(outs["in_a_row"][t]), int(outs["total"][t]),
-           bool(outs["last_finite"][t]))
-    want = (state.scale, state.counter, state.in_a_row, state.total,
-            state.last_finite)
+    got = (
+      float(outs["scale"][t]),
+      int(outs["counter"][t]),
+      int(outs["in_a_row"][t]),
+      int(outs["total"][t]),
+      bool(outs["last_finite"][t]),
+    )
+    want = (
+      state.scale,
+      state.counter,
+      state.in_a_row,
+      state.total,
+      state.last_finite,
+    )
     if got != want:
       problems.append((t, f"state {got} != model {want}"))
     scale = got[0]
@@ -269,9 +323,15 @@ def check_against_model(config_name, code, outs):
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
-@settings(derandomize=True, max_examples=50, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(
+  derandomize=True,
+  max_examples=50,
+  deadline=None,
+  suppress_health_check=[
+    HealthCheck.function_scoped_fixture,
+    HealthCheck.too_slow,
+  ],
+)
 @given(events=schedule_strategy())
 def test_random_fault_schedules(config_name, events):
   code, leaf, pos = build_schedule(events)
@@ -281,7 +341,8 @@ def test_random_fault_schedules(config_name, events):
   TOTALS["steps"] += T
   TOTALS["faults_injected"] += int(np.sum(code != NONE))
   TOTALS["faults_non_finite"] += int(
-      np.sum((code != NONE) & ~np.asarray(outs["expected_finite"])))
+    np.sum((code != NONE) & ~np.asarray(outs["expected_finite"]))
+  )
   TOTALS["steps_skipped"] += int(np.sum(~np.asarray(outs["last_finite"])))
   TOTALS["corruptions"] += len(problems)
   assert not problems, (config_name, code.tolist(), problems[:5])
@@ -292,12 +353,15 @@ def test_every_fault_kind_is_exercised():
   """The configurations reach each code's non-finite case: 6e4*scale
   overflows float16 at scale > 1, a float32 3e38 overflows when unscaled
   below 1."""
-  for name, kind in [("keras-like", SCALED_OVERFLOW),
-                     ("below-one", UNSCALED_OVERFLOW)]:
+  for name, kind in [
+    ("keras-like", SCALED_OVERFLOW),
+    ("below-one", UNSCALED_OVERFLOW),
+  ]:
     code = np.zeros(T, np.int32)
     code[2] = kind
-    _, _, outs = compiled_run(name)(code, np.zeros(T, np.int32),
-                                    np.zeros(T, np.int32))
+    _, _, outs = compiled_run(name)(
+      code, np.zeros(T, np.int32), np.zeros(T, np.int32)
+    )
     assert not bool(outs["last_finite"][2]), (name, kind)
     assert not check_against_model(name, code, outs)
 
@@ -321,15 +385,20 @@ def _nan_grads(params):
 
 def test_saturating_counters_do_not_wrap():
   params = {"w": jnp.ones(3)}
-  tx = ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0,
-                                dynamic_growth_steps=INT32_MAX)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1), initial_scale=8.0, dynamic_growth_steps=INT32_MAX
+  )
   cfg = _model.ModelConfig(initial_scale=8.0, growth_steps=INT32_MAX)
   state = tx.init(params)
   near = jnp.int32(INT32_MAX - 2)
-  state = state._replace(loss_scale_state=state.loss_scale_state._replace(
-      notfinite_count=near, total_notfinite=near))
-  model = _model.ModelState(scale=8.0, in_a_row=INT32_MAX - 2,
-                            total=INT32_MAX - 2)
+  state = state._replace(
+    loss_scale_state=state.loss_scale_state._replace(
+      notfinite_count=near, total_notfinite=near
+    )
+  )
+  model = _model.ModelState(
+    scale=8.0, in_a_row=INT32_MAX - 2, total=INT32_MAX - 2
+  )
   update = jax.jit(tx.update)
   for _ in range(5):
     _, state = update(_nan_grads(params), state, params)
@@ -346,10 +415,14 @@ def test_saturating_counters_do_not_wrap():
 
   # The growth counter at the largest growth period: counter + 1 reaches
   # 2**31 - 1 exactly, the scale grows, the counter resets, nothing wraps.
-  state = state._replace(loss_scale_state=state.loss_scale_state._replace(
-      counter=jnp.int32(INT32_MAX - 3)))
-  model = _model.ModelState(scale=float(ols.loss_scale(state)),
-                            counter=INT32_MAX - 3)
+  state = state._replace(
+    loss_scale_state=state.loss_scale_state._replace(
+      counter=jnp.int32(INT32_MAX - 3)
+    )
+  )
+  model = _model.ModelState(
+    scale=float(ols.loss_scale(state)), counter=INT32_MAX - 3
+  )
   seen = []
   for _ in range(4):
     _, state = update({"w": jnp.ones(3)}, state, params)
@@ -376,24 +449,41 @@ def _long_scan(tx, finite):
       scale = ols.loss_scale(s)
       return (optax.apply_updates(p, u), s), (scale.min(), scale.max())
 
-    (p, s), (lo, hi) = lax.scan(body, (params, tx.init(params)), None,
-                                length=N_LONG)
+    (p, s), (lo, hi) = lax.scan(
+      body, (params, tx.init(params)), None, length=N_LONG
+    )
     return p, s, lo.min(), hi.max()
 
   return run()
 
 
-@pytest.mark.parametrize("kwargs, finite, expected", [
+@pytest.mark.parametrize(
+  "kwargs, finite, expected",
+  [
     # Pinned at min_scale by 100k overflows in a row; backoff 0.3 is not a
     # power of two, so the floor is reached by clamping, not exactly.
-    (dict(initial_scale=2.0**15, min_scale=0.125, backoff_factor=0.3,
-          hysteresis=4), False, 0.125),
+    (
+      dict(
+        initial_scale=2.0**15, min_scale=0.125, backoff_factor=0.3, hysteresis=4
+      ),
+      False,
+      0.125,
+    ),
     # Pinned at a max_scale that growth by 3 cannot hit exactly: 3**12.
-    (dict(initial_scale=1.0, dynamic_growth_steps=1, growth_factor=3.0,
-          max_scale=2.0**20), True, 3.0**12),
+    (
+      dict(
+        initial_scale=1.0,
+        dynamic_growth_steps=1,
+        growth_factor=3.0,
+        max_scale=2.0**20,
+      ),
+      True,
+      3.0**12,
+    ),
     # No max_scale: growth stops below float32 overflow, at 2**127.
     (dict(dynamic_growth_steps=1), True, 2.0**127),
-])
+  ],
+)
 def test_scale_pinned_for_100k_steps(kwargs, finite, expected):
   tx = ols.loss_scale_optimizer(optax.sgd(0.1), **kwargs)
   params, state, lo, hi = _long_scan(tx, finite)
@@ -424,9 +514,9 @@ def test_zz_print_totals(capsys):
     pytest.skip("the schedule tests did not run in this session")
   with capsys.disabled():
     print(
-        "\nfault harness totals: "
-        + ", ".join(f"{k}={v}" for k, v in TOTALS.items()),
-        flush=True,
+      "\nfault harness totals: "
+      + ", ".join(f"{k}={v}" for k, v in TOTALS.items()),
+      flush=True,
     )
   assert TOTALS["corruptions"] == 0
   assert TOTALS["schedules"] >= 300  # 6 configurations x 50

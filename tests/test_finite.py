@@ -8,11 +8,11 @@ import functools
 import re
 
 import jax
-from jax import export
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import export
 
 import optax_lossscale as ols
 from optax_lossscale import _config, _finite, _state, _unscale
@@ -29,18 +29,27 @@ def trees(draw):
   """One leaf of each dtype, values mixing ordinary numbers and specials."""
   tree = {}
   for dtype in DTYPES:
-    values = np.asarray(draw(st.lists(
-        st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
-        min_size=SIZE, max_size=SIZE)), np.float64)
+    values = np.asarray(
+      draw(
+        st.lists(
+          st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
+          min_size=SIZE,
+          max_size=SIZE,
+        )
+      ),
+      np.float64,
+    )
     with np.errstate(over="ignore"):
-      tree[jnp.dtype(dtype).name] = jnp.asarray(values.astype(np.float32),
-                                                dtype)
+      tree[jnp.dtype(dtype).name] = jnp.asarray(
+        values.astype(np.float32), dtype
+      )
   return tree
 
 
 def elementwise_finite(tree):
-  return all(np.isfinite(np.asarray(x, np.float32)).all()
-             for x in jax.tree.leaves(tree))
+  return all(
+    np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(tree)
+  )
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -49,8 +58,9 @@ def test_all_finite_matches_the_elementwise_definition(tree):
   assert bool(jax.jit(ols.all_finite)(tree)) == elementwise_finite(tree)
 
 
-_concatenated = jax.jit(lambda tree: _finite._concatenated(
-    *jax.tree.leaves(tree)))
+_concatenated = jax.jit(
+  lambda tree: _finite._concatenated(*jax.tree.leaves(tree))
+)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -64,8 +74,12 @@ def test_the_concatenated_check_sees_every_group_of_leaves():
   """Leaves are concatenated in groups (a single concatenation of 1,000
   leaves was materialized on GPU); a non-finite value in any group counts."""
   n = 3 * _finite._LEAVES_PER_CONCATENATION + 5
-  for bad in (0, _finite._LEAVES_PER_CONCATENATION,
-              2 * _finite._LEAVES_PER_CONCATENATION + 1, n - 1):
+  for bad in (
+    0,
+    _finite._LEAVES_PER_CONCATENATION,
+    2 * _finite._LEAVES_PER_CONCATENATION + 1,
+    n - 1,
+  ):
     tree = [jnp.ones(3)] * n
     assert bool(_concatenated(tree))
     tree[bad] = jnp.array([1.0, np.inf, 1.0])
@@ -77,9 +91,16 @@ def same_shape_leaves(draw):
   """Up to five leaves of one shape and dtype, mixing numbers and specials."""
   dtype = draw(st.sampled_from(DTYPES))
   count = draw(st.integers(1, 5))
-  values = np.asarray(draw(st.lists(
-      st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
-      min_size=count * SIZE, max_size=count * SIZE)), np.float64)
+  values = np.asarray(
+    draw(
+      st.lists(
+        st.one_of(st.floats(-1e4, 1e4), st.sampled_from(SPECIALS)),
+        min_size=count * SIZE,
+        max_size=count * SIZE,
+      )
+    ),
+    np.float64,
+  )
   with np.errstate(over="ignore"):
     values = values.astype(np.float32).reshape(count, 2, SIZE // 2)
     return [jnp.asarray(v, dtype) for v in values]
@@ -102,8 +123,12 @@ def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
   check = jax.jit(ols.all_finite)
   small = _finite._CONCATENATE_BELOW  # the smallest leaf not concatenated
   per_group = _finite._ELEMENTS_PER_GROUP // 4
-  for size, count in ((small, 3), (small, _finite._MAX_GROUP + 1),
-                      (small, 2 * _finite._MAX_GROUP + 3), (per_group, 10)):
+  for size, count in (
+    (small, 3),
+    (small, _finite._MAX_GROUP + 1),
+    (small, 2 * _finite._MAX_GROUP + 3),
+    (per_group, 10),
+  ):
     tree = [jnp.ones(size)] * count + [jnp.ones((3, 5), jnp.float16)]
     assert bool(check(tree))
     for bad in sorted({0, 1, count // 2, count - 2, count - 1}):
@@ -116,8 +141,11 @@ def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
 def _lowered_text(platform: str) -> str:
   # Twenty float32 leaves of one shape and one of another, large enough not
   # to be concatenated on CPU, and a small float16 leaf.
-  tree = {"a": [jnp.ones(4096)] * 20, "b": jnp.ones((64, 64)),
-          "c": jnp.ones(3, jnp.float16)}
+  tree = {
+    "a": [jnp.ones(4096)] * 20,
+    "b": jnp.ones((64, 64)),
+    "c": jnp.ones(3, jnp.float16),
+  }
   exported = export.export(jax.jit(ols.all_finite), platforms=[platform])
   return exported(tree).mlir_module()
 
@@ -141,16 +169,25 @@ SCALES = (2.0**-20, 0.3, 0.5, 1.0, 3.0, 2.0**15, 2.0**127)
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(trees(), st.sampled_from(SCALES), st.booleans())
 def test_unscaled_check_matches_the_elementwise_definition(
-    grads, scale, float32_params):
+  grads, scale, float32_params
+):
   """Scales below 1 can overflow a finite gradient when unscaling; the
   verdict must see it, in the dtype the unscaled gradient will have."""
   dynamic = _config.make_config(
-      True, scale, None, growth_factor=2.0, backoff_factor=0.5,
-      min_scale=min(scale, 1.0), max_scale=None, hysteresis=1,
-      axis_name=None)
+    True,
+    scale,
+    None,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    min_scale=min(scale, 1.0),
+    max_scale=None,
+    hysteresis=1,
+    axis_name=None,
+  )
   params = jax.tree.map(
-      lambda g: jnp.zeros(g.shape, jnp.float32 if float32_params else g.dtype),
-      grads)
+    lambda g: jnp.zeros(g.shape, jnp.float32 if float32_params else g.dtype),
+    grads,
+  )
   state = _state.init_loss_scale_state(dynamic.initial_scale, True)
   unscaled, finite, _ = _check(grads, state, params, dynamic)
   assert bool(finite) == elementwise_finite(unscaled)
@@ -169,8 +206,11 @@ def test_complex_leaves_check_each_part():
 
 
 def test_integer_and_empty_leaves_are_finite():
-  assert bool(ols.all_finite({"i": jnp.arange(3), "e": jnp.zeros((0, 4)),
-                              "b": jnp.ones(2, jnp.bool_)}))
+  assert bool(
+    ols.all_finite(
+      {"i": jnp.arange(3), "e": jnp.zeros((0, 4)), "b": jnp.ones(2, jnp.bool_)}
+    )
+  )
 
 
 def test_nan_in_a_large_leaf_is_found_wherever_it_is():
@@ -183,13 +223,29 @@ def test_nan_in_a_large_leaf_is_found_wherever_it_is():
         for special in (np.nan, np.inf, -np.inf):
           leaf = jnp.ones(size, dtype).at[position].set(special)
           assert not bool(jax.jit(ols.all_finite)({"w": leaf})), (
-              dtype, size, position, special)
-          assert not bool(jax.jit(ols.all_finite)({
-              "v": jnp.ones(5, dtype), "w": leaf,
-              "x": jnp.ones(3, jnp.float32)})), (dtype, size, position, special)
-          assert not bool(_concatenated({"v": jnp.ones(5, dtype), "w": leaf,
-                                         "x": jnp.ones(3, jnp.float32)})), (
-              dtype, size, position, special)
+            dtype,
+            size,
+            position,
+            special,
+          )
+          assert not bool(
+            jax.jit(ols.all_finite)(
+              {
+                "v": jnp.ones(5, dtype),
+                "w": leaf,
+                "x": jnp.ones(3, jnp.float32),
+              }
+            )
+          ), (dtype, size, position, special)
+          assert not bool(
+            _concatenated(
+              {
+                "v": jnp.ones(5, dtype),
+                "w": leaf,
+                "x": jnp.ones(3, jnp.float32),
+              }
+            )
+          ), (dtype, size, position, special)
 
 
 def test_transposed_and_multi_dimensional_leaves_are_checked_whole():
@@ -210,8 +266,10 @@ def test_many_small_leaves_are_checked_together_on_cpu():
   """Small leaves are concatenated by dtype and checked in one pass; a
   non-finite value in any of them counts."""
   n = 300
-  tree = {f"l{i}": jnp.ones((i % 7 + 1, 3), (jnp.float32, jnp.float16)[i % 2])
-          for i in range(n)}
+  tree = {
+    f"l{i}": jnp.ones((i % 7 + 1, 3), (jnp.float32, jnp.float16)[i % 2])
+    for i in range(n)
+  }
   check = jax.jit(ols.all_finite)
   assert bool(check(tree))
   for i in (0, 1, n // 2, n - 1):
@@ -226,8 +284,10 @@ def test_large_leaves_are_checked_in_one_pass_on_cpu():
   """No tree of reduce-windows and no byte-per-element temporary: the
   compiled check of a large leaf, or of a group of leaves of one shape, is
   one fused reduction."""
-  for tree in ({"w": jnp.ones((512, 512), jnp.float32)},
-               {"g": [jnp.ones((256, 256), jnp.float16)] * 8}):
+  for tree in (
+    {"w": jnp.ones((512, 512), jnp.float32)},
+    {"g": [jnp.ones((256, 256), jnp.float16)] * 8},
+  ):
     compiled = jax.jit(ols.all_finite).lower(tree).compile()
     assert "reduce-window" not in compiled.as_text()
     size = sum(x.size for x in jax.tree.leaves(tree))
@@ -241,8 +301,9 @@ def test_large_leaves_without_an_exponent_mask_are_checked_alone():
   check = jax.jit(ols.all_finite)
   assert bool(check(tree))
   for bad in range(6):
-    specials = (np.nan, np.inf) + ((1j * np.inf, 1 + 1j * np.nan)
-                                   if bad < 3 else ())
+    specials = (np.nan, np.inf) + (
+      (1j * np.inf, 1 + 1j * np.nan) if bad < 3 else ()
+    )
     for special in specials:
       broken = list(tree)
       broken[bad] = tree[bad].at[bad].set(special)
@@ -251,6 +312,7 @@ def test_large_leaves_without_an_exponent_mask_are_checked_alone():
 
 def test_nan_in_a_large_leaf_never_reaches_adam():
   import optax
+
   params = {"w": jnp.zeros(4099, jnp.float32)}
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
   state = tx.init(params)
@@ -265,8 +327,10 @@ def test_overflow_when_unscaling_below_one_is_caught():
   """A finite float16 gradient divided by a scale below 1 can overflow in
   float16; the verdict is taken on the values passed on."""
   import optax
-  tx = ols.loss_scale_optimizer(optax.sgd(1e-3), initial_scale=0.51916975,
-                                min_scale=2.0**-10)
+
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1e-3), initial_scale=0.51916975, min_scale=2.0**-10
+  )
   params = {"w": jnp.zeros(64, jnp.float16)}
   grads = {"w": jnp.full(64, 34020.0, jnp.float16)}
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -276,6 +340,7 @@ def test_overflow_when_unscaling_below_one_is_caught():
 
 def test_a_scale_set_below_one_under_a_floor_of_one_is_skipped_once():
   import optax
+
   tx = ols.loss_scale_optimizer(optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
   state = ols.set_loss_scale(tx.init(params), 0.25)
@@ -293,6 +358,7 @@ def _enable_x64(on: bool):
   if hasattr(jax, "enable_x64"):
     return jax.enable_x64(on)
   from jax.experimental import enable_x64  # pylint: disable=g-import-not-at-top
+
   return enable_x64(on)
 
 
@@ -304,7 +370,7 @@ def test_float64_leaves_are_checked_by_their_own_exponent():
     check = jax.jit(ols.all_finite)
     assert bool(check(tree))
     for special in (np.nan, np.inf, -np.inf):
-      assert not bool(check(tree[:2] + [tree[2].at[size - 1].set(special)]))
+      assert not bool(check([*tree[:2], tree[2].at[size - 1].set(special)]))
 
 
 def test_the_same_complex_array_twice():

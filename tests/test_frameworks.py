@@ -35,10 +35,9 @@ class _NNXModel(nnx.Module):
     return self.out(self.dropout(h))
 
 
-
-
 # `nnx.as_pure` in newer flax, `nnx.pure` in flax 0.12.0.
 _as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 
 def _nnx_loss(model, x, y):
   return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
@@ -53,7 +52,8 @@ def _nnx_setup(dtype=jnp.float32, **kwargs):
 @nnx.jit
 def _nnx_step(model, optimizer, x, y):
   loss, grads = ols.value_and_grad(_nnx_loss, grad_fn=nnx.value_and_grad)(
-      optimizer, model, x, y)
+    optimizer, model, x, y
+  )
   optimizer.update(model, grads)
   return loss
 
@@ -74,8 +74,13 @@ def test_nnx_readouts_accept_every_form_and_return_arrays():
   model, optimizer = _nnx_setup(initial_scale=256.0)
   _nnx_step(model, optimizer, X, Y)
   graphdef, state = nnx.split(optimizer)
-  forms = [optimizer, optimizer.opt_state, nnx.state(optimizer), state,
-           _as_pure(state)]
+  forms = [
+    optimizer,
+    optimizer.opt_state,
+    nnx.state(optimizer),
+    state,
+    _as_pure(state),
+  ]
   for form in forms:
     scale = ols.loss_scale(form)
     assert type(scale) is type(jnp.zeros(())) and scale == 256.0
@@ -114,7 +119,8 @@ def test_nnx_set_loss_scale_reaches_the_next_update(form):
   def step(model, optimizer):
     scale_seen.append(None)  # traced once
     _, grads = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)(
-        optimizer, model, X, Y)
+      optimizer, model, X, Y
+    )
     optimizer.update(model, grads)
     return ols.scale_loss(jnp.float32(1.0), optimizer)
 
@@ -132,6 +138,7 @@ def test_nnx_scale_loss_on_the_optimizer_inside_nnx_grad():
   def step(model, optimizer):
     def loss_fn(model):
       return ols.scale_loss(_nnx_loss(model, X, Y), optimizer)
+
     optimizer.update(model, nnx.grad(loss_fn)(model))
 
   step(model, optimizer)
@@ -153,11 +160,13 @@ def test_nnx_split_state_is_set_functionally_for_pure_state():
 def test_nnx_overflow_is_skipped_and_backs_off():
   model, optimizer = _nnx_setup(initial_scale=256.0)
   before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-  grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf),
-                       nnx.state(model, nnx.Param))
+  grads = jax.tree.map(
+    lambda p: jnp.full_like(p, jnp.inf), nnx.state(model, nnx.Param)
+  )
   optimizer.update(model, grads)
-  jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param),
-               before)
+  jax.tree.map(
+    np.testing.assert_array_equal, nnx.state(model, nnx.Param), before
+  )
   assert ols.loss_scale(optimizer) == 128.0
   assert not bool(ols.skip_stats(optimizer).last_finite)
 
@@ -176,10 +185,12 @@ def test_value_and_grad_signature_describes_the_wrapper():
 
   vg = ols.value_and_grad(loss_fn)
   assert str(inspect.signature(vg)) == (
-      "(opt_state, /, params, batch, *, weight=1.0) -> tuple[typing.Any,"
-      " typing.Any]")
+    "(opt_state, /, params, batch, *, weight=1.0) -> tuple[typing.Any,"
+    " typing.Any]"
+  )
   assert "loss_fn" in vg.__name__ and vg.__doc__.startswith(
-      "`ols.value_and_grad` of `loss_fn`")
+    "`ols.value_and_grad` of `loss_fn`"
+  )
   builtin = ols.value_and_grad(jnp.sum)
   assert next(iter(inspect.signature(builtin).parameters)) == "opt_state"
 
@@ -201,13 +212,16 @@ def test_value_and_grad_jax_gradients_are_exactly_scaled():
     return jnp.mean(err**2), {"err": err}
 
   (loss, aux), grads = ols.value_and_grad(loss_fn, has_aux=True)(
-      opt_state, params, X, Y)
+    opt_state, params, X, Y
+  )
   (plain_loss, plain_aux), plain = jax.value_and_grad(loss_fn, has_aux=True)(
-      params, X, Y)
+    params, X, Y
+  )
   assert loss == plain_loss
   np.testing.assert_array_equal(aux["err"], plain_aux["err"])
-  jax.tree.map(lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10),
-               grads, plain)
+  jax.tree.map(
+    lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10), grads, plain
+  )
 
 
 def test_value_and_grad_nnx_with_dropout_and_batchnorm_exactly_scaled():
@@ -219,14 +233,18 @@ def test_value_and_grad_nnx_with_dropout_and_batchnorm_exactly_scaled():
     return _nnx_loss(model, x, y), pred
 
   (loss, pred), grads = ols.value_and_grad(
-      loss_aux, has_aux=True, grad_fn=nnx.value_and_grad)(optimizer, model,
-                                                           X, Y)
+    loss_aux, has_aux=True, grad_fn=nnx.value_and_grad
+  )(optimizer, model, X, Y)
   (plain_loss, plain_pred), plain = nnx.value_and_grad(loss_aux, has_aux=True)(
-      twin, X, Y)
+    twin, X, Y
+  )
   assert loss == plain_loss  # the same dropout mask: RNG streams advanced
   np.testing.assert_array_equal(pred, plain_pred)
-  jax.tree.map(lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10),
-               nnx.state(grads, nnx.Param), nnx.state(plain, nnx.Param))
+  jax.tree.map(
+    lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10),
+    nnx.state(grads, nnx.Param),
+    nnx.state(plain, nnx.Param),
+  )
   # BatchNorm's statistics moved as in the plain call.
   np.testing.assert_array_equal(model.norm.mean[...], twin.norm.mean[...])
 
@@ -277,8 +295,9 @@ def test_value_and_grad_equinox_exactly_scaled():
   loss, grads = vg(opt_state, model, X, Y)
   plain_loss, plain = eqx.filter_value_and_grad(_eqx_loss)(model, X, Y)
   assert loss == plain_loss
-  jax.tree.map(lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10),
-               grads, plain)
+  jax.tree.map(
+    lambda g, p: np.testing.assert_array_equal(g, p * 2.0**10), grads, plain
+  )
 
 
 @pytest.mark.parametrize("model_type", [_EqxModel, _EqxModelPlainFields])
@@ -290,9 +309,11 @@ def test_equinox_standard_loop(model_type):
   @eqx.filter_jit
   def make_step(model, opt_state, x, y):
     loss, grads = ols.value_and_grad(
-        _eqx_loss, grad_fn=eqx.filter_value_and_grad)(opt_state, model, x, y)
+      _eqx_loss, grad_fn=eqx.filter_value_and_grad
+    )(opt_state, model, x, y)
     updates, opt_state = optim.update(
-        grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+      grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+    )
     return eqx.apply_updates(model, updates), opt_state, loss
 
   losses = []
@@ -302,10 +323,12 @@ def test_equinox_standard_loop(model_type):
   assert losses[-1] < losses[0] / 2
   assert ols.loss_scale(opt_state) == 2.0**15 * 2**3
   # An overflow is skipped: the model does not move.
-  bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
-                     eqx.filter(model, eqx.is_inexact_array))
-  updates, opt_state = optim.update(bad, opt_state,
-                                    eqx.filter(model, eqx.is_inexact_array))
+  bad = jax.tree.map(
+    lambda p: jnp.full_like(p, jnp.nan), eqx.filter(model, eqx.is_inexact_array)
+  )
+  updates, opt_state = optim.update(
+    bad, opt_state, eqx.filter(model, eqx.is_inexact_array)
+  )
   assert all(not np.any(u) for u in jax.tree.leaves(updates))
   assert ols.loss_scale(opt_state) == 2.0**15 * 2**2
 
@@ -325,8 +348,10 @@ def test_linen_trainstate_value_and_grad():
   model = MLP()
   params = model.init(jax.random.key(0), X)["params"]
   state = train_state.TrainState.create(
-      apply_fn=model.apply, params=params,
-      tx=ols.loss_scale_optimizer(optax.adam(1e-2), dynamic_growth_steps=10))
+    apply_fn=model.apply,
+    params=params,
+    tx=ols.loss_scale_optimizer(optax.adam(1e-2), dynamic_growth_steps=10),
+  )
 
   def loss_fn(params, x, y):
     pred = state.apply_fn({"params": params}, x)

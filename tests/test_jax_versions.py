@@ -18,41 +18,53 @@ import optax
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from test_skip import GRADS, PARAMS  # the trees the skip's own tests use
 
 import optax_lossscale as ols
 from optax_lossscale import _skip
-from test_skip import GRADS, PARAMS  # the trees the skip's own tests use
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _jax_requirement() -> Requirement:
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-  (jax_req,) = [r for r in map(Requirement, project["dependencies"])
-                if r.name == "jax"]
+  (jax_req,) = [
+    r for r in map(Requirement, project["dependencies"]) if r.name == "jax"
+  ]
   return jax_req
 
 
 def test_the_running_jax_is_in_the_declared_range():
   assert Version(jax.__version__) in _jax_requirement().specifier, (
-      f"jax {jax.__version__} is outside pyproject.toml's "
-      f"{_jax_requirement()}")
+    f"jax {jax.__version__} is outside pyproject.toml's {_jax_requirement()}"
+  )
 
 
 def test_the_oldest_ci_pin_is_the_declared_floor():
   pins = dict(
-      re.match(r"^([A-Za-z0-9_.-]+)==(\S+)$", line).groups()
-      for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
-      if line.strip() and not line.startswith("#"))
-  floors = [s.version for s in _jax_requirement().specifier
-            if s.operator == ">="]
+    re.match(r"^([A-Za-z0-9_.-]+)==(\S+)$", line).groups()
+    for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+  )
+  floors = [
+    s.version for s in _jax_requirement().specifier if s.operator == ">="
+  ]
   assert floors == [pins["jax"]]
   assert pins["jaxlib"] == pins["jax"]
 
 
-@pytest.mark.parametrize("module", [
-    "chex", "equinox", "flax.linen", "flax.nnx", "flax.training.train_state",
-    "jmp", "orbax.checkpoint"])
+@pytest.mark.parametrize(
+  "module",
+  [
+    "chex",
+    "equinox",
+    "flax.linen",
+    "flax.nnx",
+    "flax.training.train_state",
+    "jmp",
+    "orbax.checkpoint",
+  ],
+)
 def test_the_test_extras_import_on_this_jax(module):
   # Under the suite's filterwarnings = error: a deprecation raised at import
   # by an extra pinned for the oldest jax fails here, not in a later test.
@@ -60,14 +72,16 @@ def test_the_test_extras_import_on_this_jax(module):
 
 
 INNERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1),
-                                          optax.adam(1e-2)),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)),
-    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "clip_then_adam": lambda: optax.chain(
+    optax.clip_by_global_norm(0.1), optax.adam(1e-2)
+  ),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
+  ),
+  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
 }
 
 
@@ -77,8 +91,8 @@ def test_the_rewrite_runs_on_this_jax(name, monkeypatch):
 
   def fallback(*args, **kwargs):
     raise AssertionError(
-        f"update_unless fell back to the plain select on jax "
-        f"{jax.__version__}")
+      f"update_unless fell back to the plain select on jax {jax.__version__}"
+    )
 
   monkeypatch.setattr(_skip, "_select_after", fallback)
   tx = ols.loss_scale_optimizer(INNERS[name]())

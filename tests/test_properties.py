@@ -15,31 +15,43 @@ import optax_lossscale as ols
 
 # A handful of configurations, each compiled once and reused across examples.
 CONFIGS = {
-    "keras_small_window": dict(initial_scale=2.0**4, dynamic_growth_steps=3),
-    "hysteresis": dict(initial_scale=2.0**6, dynamic_growth_steps=2,
-                       hysteresis=3),
-    "factors_and_bounds": dict(initial_scale=2.0**3, dynamic_growth_steps=2,
-                               growth_factor=4.0, backoff_factor=0.25,
-                               min_scale=0.5, max_scale=2.0**9),
-    "odd_factors": dict(initial_scale=3.0, dynamic_growth_steps=1,
-                        growth_factor=1.5, backoff_factor=0.75,
-                        min_scale=0.3, max_scale=1e6),
-    "near_inf": dict(initial_scale=2.0**125, dynamic_growth_steps=1),
-    "static": dict(dynamic=False, initial_scale=2.0**5),
+  "keras_small_window": dict(initial_scale=2.0**4, dynamic_growth_steps=3),
+  "hysteresis": dict(
+    initial_scale=2.0**6, dynamic_growth_steps=2, hysteresis=3
+  ),
+  "factors_and_bounds": dict(
+    initial_scale=2.0**3,
+    dynamic_growth_steps=2,
+    growth_factor=4.0,
+    backoff_factor=0.25,
+    min_scale=0.5,
+    max_scale=2.0**9,
+  ),
+  "odd_factors": dict(
+    initial_scale=3.0,
+    dynamic_growth_steps=1,
+    growth_factor=1.5,
+    backoff_factor=0.75,
+    min_scale=0.3,
+    max_scale=1e6,
+  ),
+  "near_inf": dict(initial_scale=2.0**125, dynamic_growth_steps=1),
+  "static": dict(dynamic=False, initial_scale=2.0**5),
 }
 POISONS = (np.nan, np.inf, -np.inf)
 PARAMS = {
-    "dense": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3),
-              "b": jnp.zeros(3, jnp.float16)},
-    "embed": jnp.ones(4, jnp.bfloat16),
-    "none": None,
+  "dense": {
+    "w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3),
+    "b": jnp.zeros(3, jnp.float16),
+  },
+  "embed": jnp.ones(4, jnp.bfloat16),
+  "none": None,
 }
 
 
 def model_config(kwargs) -> _model.ModelConfig:
   names = {"dynamic_growth_steps": "growth_steps"}
-  config = _model.ModelConfig(**{names.get(k, k): v for k, v in
-                                 kwargs.items()})
+  config = _model.ModelConfig(**{names.get(k, k): v for k, v in kwargs.items()})
   if not config.dynamic:
     config.growth_steps = 1
   return config
@@ -65,7 +77,8 @@ def gradients(scale, poison_leaf, poison, rng):
   grads = []
   for i, p in enumerate(leaves):
     g = rng.uniform(-1, 1, p.shape).astype(np.float32) * np.float32(
-        min(scale, 1e4))
+      min(scale, 1e4)
+    )
     if i == poison_leaf:
       g.flat[rng.integers(g.size)] = poison
     grads.append(jnp.asarray(g, p.dtype))
@@ -77,15 +90,17 @@ def bits(tree):
 
 
 step_strategy = st.one_of(
-    st.just(None),  # a finite step
-    st.tuples(st.integers(0, 2), st.sampled_from(POISONS)),
+  st.just(None),  # a finite step
+  st.tuples(st.integers(0, 2), st.sampled_from(POISONS)),
 )
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(name=st.sampled_from(sorted(CONFIGS)),
-       steps=st.lists(step_strategy, min_size=1, max_size=24),
-       seed=st.integers(0, 2**16))
+@given(
+  name=st.sampled_from(sorted(CONFIGS)),
+  steps=st.lists(step_strategy, min_size=1, max_size=24),
+  seed=st.integers(0, 2**16),
+)
 def test_random_sequences_follow_the_rule(name, steps, seed):
   tx, step = compiled(name)
   config = model_config(CONFIGS[name])
@@ -119,12 +134,16 @@ def test_random_sequences_follow_the_rule(name, steps, seed):
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(st.lists(st.booleans(), max_size=60),
-       st.sampled_from([1, 2, 3, 7]), st.sampled_from([1, 2, 4]))
+@given(
+  st.lists(st.booleans(), max_size=60),
+  st.sampled_from([1, 2, 3, 7]),
+  st.sampled_from([1, 2, 4]),
+)
 def test_model_invariants(finite_flags, growth_steps, hysteresis):
   """The rule itself: bounds hold and the scale is a power of two."""
-  config = _model.ModelConfig(initial_scale=2.0**15, growth_steps=growth_steps,
-                              hysteresis=hysteresis)
+  config = _model.ModelConfig(
+    initial_scale=2.0**15, growth_steps=growth_steps, hysteresis=hysteresis
+  )
   state = _model.initial(config)
   for finite in finite_flags:
     state = _model.step(state, finite, config)

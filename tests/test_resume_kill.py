@@ -24,15 +24,28 @@ def _env():
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")])
+    [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
+  )
   return env
 
 
 def _start(ckpt, out, *extra):
   return subprocess.Popen(
-      [sys.executable, WORKER, str(ckpt), str(out), "--steps", str(STEPS),
-       "--every", str(EVERY), *map(str, extra)],
-      env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    [
+      sys.executable,
+      WORKER,
+      str(ckpt),
+      str(out),
+      "--steps",
+      str(STEPS),
+      "--every",
+      str(EVERY),
+      *map(str, extra),
+    ],
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
   )
 
 
@@ -61,23 +74,31 @@ def _assert_bitwise_equal(a, b):
 
 
 @pytest.mark.parametrize(
-    "kill_after, nan_range",
-    [
-        pytest.param(8, (-1, -1), id="clean-run"),
-        # The NaN streak (steps 10..15) spans the checkpoint at step 12 and
-        # the kill that follows it: the checkpoint holds a streak in
-        # progress (hysteresis=2, skip counters mid-count).
-        pytest.param(12, (10, 16), id="kill-during-overflow-streak"),
-    ],
+  "kill_after, nan_range",
+  [
+    pytest.param(8, (-1, -1), id="clean-run"),
+    # The NaN streak (steps 10..15) spans the checkpoint at step 12 and
+    # the kill that follows it: the checkpoint holds a streak in
+    # progress (hysteresis=2, skip counters mid-count).
+    pytest.param(12, (10, 16), id="kill-during-overflow-streak"),
+  ],
 )
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, kill_after,
-                                                  nan_range):
+def test_sigkill_then_resume_equals_uninterrupted(
+  tmp_path, kill_after, nan_range
+):
   nan = ["--nan-from", nan_range[0], "--nan-to", nan_range[1]]
   marker = tmp_path / "marker"
   reference = _start(tmp_path / "ref_ckpt", tmp_path / "ref.npz", *nan)
   victim = _start(
-      tmp_path / "ckpt", tmp_path / "victim.npz", *nan, "--marker", marker,
-      "--marker-step", kill_after, "--slow", 2.0,
+    tmp_path / "ckpt",
+    tmp_path / "victim.npz",
+    *nan,
+    "--marker",
+    marker,
+    "--marker-step",
+    kill_after,
+    "--slow",
+    2.0,
   )
   deadline = time.monotonic() + TIMEOUT_S
   while not marker.exists():
@@ -93,8 +114,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, kill_after,
   victim.communicate(timeout=60)
   assert victim.returncode == -signal.SIGKILL
   assert not (tmp_path / "victim.npz").exists()
-  checkpoints = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()
-                       if p.name.isdigit())
+  checkpoints = sorted(
+    int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()
+  )
   assert checkpoints and checkpoints[-1] == kill_after, checkpoints
 
   resumed = _start(tmp_path / "ckpt", tmp_path / "resumed.npz", *nan)
@@ -110,7 +132,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, kill_after,
     # Six NaN steps in all were skipped, across the kill.
     assert int(res[f"{lss}.total_notfinite"]) == nan_range[1] - nan_range[0]
     assert int(res["['opt_state'].inner_state[0].count"]) == (
-        STEPS - (nan_range[1] - nan_range[0]))
+      STEPS - (nan_range[1] - nan_range[0])
+    )
   for key, value in res.items():
     if np.issubdtype(value.dtype, np.floating):
       assert np.all(np.isfinite(value)), key

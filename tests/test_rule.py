@@ -23,8 +23,9 @@ def run(tx, pattern):
   for ch in pattern:
     _, state = update(FINITE if ch == "F" else NONFINITE, state)
     counter = ols.dynamic_counter(state)
-    out.append((float(ols.loss_scale(state)),
-                None if counter is None else int(counter)))
+    out.append(
+      (float(ols.loss_scale(state)), None if counter is None else int(counter))
+    )
   return out, state
 
 
@@ -44,78 +45,115 @@ def test_defaults_are_keras():
 def test_growth_on_the_growth_steps_th_finite_step():
   # Keras-TF2: grows when counter + 1 >= growth_steps, i.e. on step 3 and 6.
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=1.0,
-                               dynamic_growth_steps=3), "FFFFFF")
-  assert trajectory == [(1.0, 1), (1.0, 2), (2.0, 0), (2.0, 1), (2.0, 2),
-                        (4.0, 0)]
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=1.0, dynamic_growth_steps=3
+    ),
+    "FFFFFF",
+  )
+  assert trajectory == [
+    (1.0, 1),
+    (1.0, 2),
+    (2.0, 0),
+    (2.0, 1),
+    (2.0, 2),
+    (4.0, 0),
+  ]
 
 
 def test_growth_steps_one_grows_every_finite_step():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=1.0,
-                               dynamic_growth_steps=1), "FFNF")
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=1.0, dynamic_growth_steps=1
+    ),
+    "FFNF",
+  )
   assert trajectory == [(2.0, 0), (4.0, 0), (2.0, 0), (4.0, 0)]
 
 
 def test_nonfinite_resets_counter_and_halves():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=64.0,
-                               dynamic_growth_steps=3), "FFNFFF")
-  assert trajectory == [(64.0, 1), (64.0, 2), (32.0, 0), (32.0, 1),
-                        (32.0, 2), (64.0, 0)]
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=64.0, dynamic_growth_steps=3
+    ),
+    "FFNFFF",
+  )
+  assert trajectory == [
+    (64.0, 1),
+    (64.0, 2),
+    (32.0, 0),
+    (32.0, 1),
+    (32.0, 2),
+    (64.0, 0),
+  ]
 
 
 def test_backoff_to_the_floor_and_stays_there():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0), "NNNNNN")
+    ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0), "NNNNNN"
+  )
   assert scales(trajectory) == [4.0, 2.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_custom_floor():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0,
-                               min_scale=0.25), "NNNNNNN")
+    ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0, min_scale=0.25),
+    "NNNNNNN",
+  )
   assert scales(trajectory) == [4.0, 2.0, 1.0, 0.5, 0.25, 0.25, 0.25]
 
 
 def test_growth_capped_below_inf_resets_counter():
   top = 2.0**127  # the largest power of two in float32; doubling is inf
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=top,
-                               dynamic_growth_steps=2), "FFFF")
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=top, dynamic_growth_steps=2
+    ),
+    "FFFF",
+  )
   assert trajectory == [(top, 1), (top, 0), (top, 1), (top, 0)]
 
 
 def test_max_scale_refuses_growth_beyond_it():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=4.0,
-                               dynamic_growth_steps=1, max_scale=16.0),
-      "FFFF")
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=4.0, dynamic_growth_steps=1, max_scale=16.0
+    ),
+    "FFFF",
+  )
   assert scales(trajectory) == [8.0, 16.0, 16.0, 16.0]
 
 
 def test_max_scale_not_a_power_of_two_drops_the_candidate():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=4.0,
-                               dynamic_growth_steps=1, max_scale=12.0), "FF")
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0), initial_scale=4.0, dynamic_growth_steps=1, max_scale=12.0
+    ),
+    "FF",
+  )
   assert scales(trajectory) == [8.0, 8.0]
 
 
 def test_custom_factors():
   trajectory, _ = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=16.0,
-                               dynamic_growth_steps=1, growth_factor=4.0,
-                               backoff_factor=0.125), "FNNF")
+    ols.loss_scale_optimizer(
+      optax.sgd(1.0),
+      initial_scale=16.0,
+      dynamic_growth_steps=1,
+      growth_factor=4.0,
+      backoff_factor=0.125,
+    ),
+    "FNNF",
+  )
   assert scales(trajectory) == [64.0, 8.0, 1.0, 4.0]
 
 
 def test_hysteresis_backs_off_after_k_in_a_row():
   trajectory, state = run(
-      ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=64.0,
-                               hysteresis=3), "NNNNFNNN")
+    ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=64.0, hysteresis=3),
+    "NNNNFNNN",
+  )
   # Streak 1: steps 1-2 absorbed, 3 and 4 back off. A finite step refills.
-  assert scales(trajectory) == [64.0, 64.0, 32.0, 16.0, 16.0, 16.0, 16.0,
-                                8.0]
+  assert scales(trajectory) == [64.0, 64.0, 32.0, 16.0, 16.0, 16.0, 16.0, 8.0]
   stats = ols.skip_stats(state)
   assert int(stats.total_skipped) == 7
   assert int(stats.skipped_in_a_row) == 3
@@ -131,8 +169,9 @@ def test_hysteresis_still_skips_every_nonfinite_step():
 
 
 def test_static_mode_never_changes_and_still_skips():
-  tx = ols.loss_scale_optimizer(optax.sgd(1.0), dynamic=False,
-                                initial_scale=128.0)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1.0), dynamic=False, initial_scale=128.0
+  )
   trajectory, state = run(tx, "FFNNFN")
   assert trajectory == [(128.0, None)] * 6
   stats = ols.skip_stats(state)
@@ -144,8 +183,9 @@ def test_static_mode_never_changes_and_still_skips():
 
 def test_unscales_with_the_scale_before_the_step():
   # The growth step must still divide by the old scale.
-  tx = ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=4.0,
-                                dynamic_growth_steps=1)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1.0), initial_scale=4.0, dynamic_growth_steps=1
+  )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   updates, state = tx.update({"w": jnp.array([8.0, 4.0])}, state, params)
@@ -168,20 +208,25 @@ def test_huge_scale_divides_rather_than_multiplies_by_reciprocal():
 @pytest.mark.parametrize("poison", [jnp.nan, jnp.inf, -jnp.inf])
 def test_skip_keeps_inner_state_bit_for_bit(poison):
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=4.0)
-  params = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2, jnp.bfloat16),
-            "c": jnp.ones(4)}
+  params = {
+    "a": jnp.ones(3, jnp.float16),
+    "b": jnp.ones(2, jnp.bfloat16),
+    "c": jnp.ones(4),
+  }
   state = tx.init(params)
   grads = jax.tree.map(lambda x: x * 4, params)
   update = jax.jit(tx.update)
   _, state = update(grads, state, params)
   bad = dict(grads, c=grads["c"].at[1].set(poison))
   updates, new_state = update(bad, state, params)
-  for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+  for u, p in zip(
+    jax.tree.leaves(updates), jax.tree.leaves(params), strict=True
+  ):
     assert u.dtype == p.dtype
     np.testing.assert_array_equal(u, np.zeros_like(u))
   old_leaves = jax.tree.leaves(state.inner_state)
   new_leaves = jax.tree.leaves(new_state.inner_state)
-  for old, new in zip(old_leaves, new_leaves):
+  for old, new in zip(old_leaves, new_leaves, strict=True):
     assert old.dtype == new.dtype
     assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
 
@@ -208,8 +253,7 @@ def test_skipped_step_does_not_advance_inner_count():
 
 
 def test_unscale_and_check_alone_zeroes_nonfinite_steps():
-  tx = optax.chain(ols.unscale_and_check(initial_scale=2.0),
-                   optax.sgd(1.0))
+  tx = optax.chain(ols.unscale_and_check(initial_scale=2.0), optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   updates, state = tx.update(FINITE, state, params)

@@ -16,32 +16,35 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
 from optax_lossscale import _finite, _skip
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8,
-    reason="needs 8 devices (on CPU, the test set-up makes them)")
+  jax.device_count() < 8,
+  reason="needs 8 devices (on CPU, the test set-up makes them)",
+)
 
 MESHES = {
-    "1d": ((8,), ("data",)),
-    "2d": ((4, 2), ("data", "model")),
+  "1d": ((8,), ("data",)),
+  "2d": ((4, 2), ("data", "model")),
 }
 # name -> (mesh, {leaf: spec}); leaves of 64x64 (divisible by every axis).
 LAYOUTS = {
-    "fsdp_1d": ("1d", {"w1": P("data", None), "w2": P("data", None),
-                       "w3": P(None, "data")}),
-    "fsdp_2d": ("2d", {"w1": P("data", None), "w2": P(("data", "model"))}),
-    "tensor_parallel": ("2d", {"up": P(None, "model"),
-                               "down": P("model", None)}),
-    "fsdp_and_tp": ("2d", {"w": P("data", "model"), "v": P("model", "data")}),
-    "replicated_and_sharded": ("2d", {"w": P("data", "model"), "b": P()}),
+  "fsdp_1d": (
+    "1d",
+    {"w1": P("data", None), "w2": P("data", None), "w3": P(None, "data")},
+  ),
+  "fsdp_2d": ("2d", {"w1": P("data", None), "w2": P(("data", "model"))}),
+  "tensor_parallel": ("2d", {"up": P(None, "model"), "down": P("model", None)}),
+  "fsdp_and_tp": ("2d", {"w": P("data", "model"), "v": P("model", "data")}),
+  "replicated_and_sharded": ("2d", {"w": P("data", "model"), "b": P()}),
 }
 INNERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "adam": lambda: optax.adam(1e-2),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
 GATHERING = ("all-gather", "all-to-all", "collective-permute")
 
@@ -53,10 +56,11 @@ def make_mesh(name, axis_type):
 
 def sharded_tree(mesh, specs, scale=1.0):
   return {
-      k: jax.device_put(
-          scale * jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64) * (i + 1),
-          NamedSharding(mesh, spec))
-      for i, (k, spec) in enumerate(specs.items())
+    k: jax.device_put(
+      scale * jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64) * (i + 1),
+      NamedSharding(mesh, spec),
+    )
+    for i, (k, spec) in enumerate(specs.items())
   }
 
 
@@ -71,6 +75,7 @@ def step_fn(tx):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return step
 
 
@@ -78,10 +83,13 @@ def collectives(compiled):
   """Collective ops by kind in the compiled module, and the result types of
   its all-reduces."""
   text = compiled.as_text()
-  counts = {kind: len(re.findall(rf"\b{kind}(?:-start)?\(", text))
-            for kind in GATHERING + ("all-reduce",)}
+  counts = {
+    kind: len(re.findall(rf"\b{kind}(?:-start)?\(", text))
+    for kind in (*GATHERING, "all-reduce")
+  }
   all_reduce_types = re.findall(
-      r"= (\S+?)(?:\{[^}]*\})? all-reduce(?:-start)?\(", text)
+    r"= (\S+?)(?:\{[^}]*\})? all-reduce(?:-start)?\(", text
+  )
   return counts, all_reduce_types
 
 
@@ -89,8 +97,7 @@ def shardings(tree):
   return [x.sharding.spec for x in jax.tree.leaves(tree)]
 
 
-def run_case(layout, axis_type, inner_name, grads_scale=2.0**10,
-             donate=False):
+def run_case(layout, axis_type, inner_name, grads_scale=2.0**10, donate=False):
   """Compiles (and without `donate`, runs) both steps on the layout."""
   mesh_name, specs = LAYOUTS[layout]
   mesh = make_mesh(mesh_name, axis_type)
@@ -98,8 +105,9 @@ def run_case(layout, axis_type, inner_name, grads_scale=2.0**10,
     params = sharded_tree(mesh, specs)
     grads = sharded_tree(mesh, specs, scale=grads_scale)
     plain_tx = INNERS[inner_name]()
-    ours_tx = ols.loss_scale_optimizer(INNERS[inner_name](),
-                                       initial_scale=grads_scale)
+    ours_tx = ols.loss_scale_optimizer(
+      INNERS[inner_name](), initial_scale=grads_scale
+    )
     out = {}
     for name, tx in (("plain", plain_tx), ("ours", ours_tx)):
       if name == "plain":
@@ -107,22 +115,32 @@ def run_case(layout, axis_type, inner_name, grads_scale=2.0**10,
       else:
         g = grads
       state = tx.init(params)
-      compiled = jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ()
-                         ).lower(params, state, g).compile()
-      out[name] = dict(tx=tx, compiled=compiled, state=state, grads=g,
-                       result=None if donate else compiled(params, state, g))
+      compiled = (
+        jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ())
+        .lower(params, state, g)
+        .compile()
+      )
+      out[name] = dict(
+        tx=tx,
+        compiled=compiled,
+        state=state,
+        grads=g,
+        result=None if donate else compiled(params, state, g),
+      )
     return mesh, params, out
 
 
-CASES = [(layout, axis_type, inner)
-         for layout in LAYOUTS
-         for axis_type in (AxisType.Explicit, AxisType.Auto)
-         for inner in INNERS]
+CASES = [
+  (layout, axis_type, inner)
+  for layout in LAYOUTS
+  for axis_type in (AxisType.Explicit, AxisType.Auto)
+  for inner in INNERS
+]
 
 
 @pytest.mark.parametrize("layout,axis_type,inner", CASES)
 def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
-  mesh, params, out = run_case(layout, axis_type, inner)
+  _mesh, _params, out = run_case(layout, axis_type, inner)
   plain, ours = out["plain"], out["ours"]
   plain_params, plain_state = plain["result"]
   params_ours, state_ours = ours["result"]
@@ -131,15 +149,17 @@ def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
   assert shardings(state_ours.inner_state) == shardings(plain_state)
   # A finite step is the plain step (the gradients are exact multiples).
   chex.assert_trees_all_close(params_ours, plain_params, rtol=1e-6)
-  chex.assert_trees_all_close(state_ours.inner_state, plain_state,
-                              rtol=1e-6)
+  chex.assert_trees_all_close(state_ours.inner_state, plain_state, rtol=1e-6)
   # Only one boolean's worth crosses devices: no gathered gradient.
-  (plain_counts, _), (counts, reduced) = (collectives(plain["compiled"]),
-                                          collectives(ours["compiled"]))
+  (plain_counts, _), (counts, reduced) = (
+    collectives(plain["compiled"]),
+    collectives(ours["compiled"]),
+  )
   for kind in GATHERING:
     assert counts[kind] <= plain_counts[kind], (kind, counts)
   assert counts["all-reduce"] <= plain_counts["all-reduce"] + most_all_reduces(
-      layout, axis_type)
+    layout, axis_type
+  )
   assert all(t.endswith("[]") for t in reduced), reduced
 
 
@@ -159,21 +179,27 @@ def most_all_reduces(layout, axis_type):
 # reduction that it keeps whole, the partitioner gathers first. XLA on GPU
 # and TPU reduces without materializing the input.
 _TEMPORARY_OPEN = {
-    (inner, "Auto", layout)
-    for inner in INNERS for layout in ("fsdp_1d", "fsdp_2d", "tensor_parallel")}
+  (inner, "Auto", layout)
+  for inner in INNERS
+  for layout in ("fsdp_1d", "fsdp_2d", "tensor_parallel")
+}
 if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8):
   # Older XLA on CPU does the same for a replicated leaf beside sharded ones.
-  _TEMPORARY_OPEN |= {(inner, "Auto", "replicated_and_sharded")
-                      for inner in INNERS}
+  _TEMPORARY_OPEN |= {
+    (inner, "Auto", "replicated_and_sharded") for inner in INNERS
+  }
 
 
 @pytest.mark.parametrize("layout,axis_type,inner", CASES)
 def test_no_gradient_sized_temporary(layout, axis_type, inner, request):
   if (inner, axis_type.name, layout) in _TEMPORARY_OPEN:
-    request.applymarker(pytest.mark.xfail(
+    request.applymarker(
+      pytest.mark.xfail(
         strict=True,
         reason="open on CPU: XLA materializes the input of the one-operand"
-        " sum that checks a leaf on an Auto mesh (see _TEMPORARY_OPEN)"))
+        " sum that checks a leaf on an Auto mesh (see _TEMPORARY_OPEN)",
+      )
+    )
   # Donated, as training runs: a copy of a donated buffer shows here.
   _, _, out = run_case(layout, axis_type, inner, donate=True)
   plain_temp = out["plain"]["compiled"].memory_analysis().temp_size_in_bytes
@@ -193,29 +219,35 @@ def test_a_nan_in_one_shard_skips_on_every_device(layout, axis_type):
   poisoned[leaf] = with_value(poisoned[leaf], (63, 63), np.nan)
   with jax.set_mesh(mesh):
     new_params, new_state = ours["compiled"](params, ours["state"], poisoned)
-  for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
-    for shard_new, shard_old in zip(new.addressable_shards,
-                                    old.addressable_shards):
-      np.testing.assert_array_equal(np.asarray(shard_new.data),
-                                    np.asarray(shard_old.data))
-  chex.assert_trees_all_equal(new_state.inner_state,
-                              ours["state"].inner_state)
+  for new, old in zip(
+    jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True
+  ):
+    for shard_new, shard_old in zip(
+      new.addressable_shards, old.addressable_shards, strict=True
+    ):
+      np.testing.assert_array_equal(
+        np.asarray(shard_new.data), np.asarray(shard_old.data)
+      )
+  chex.assert_trees_all_equal(new_state.inner_state, ours["state"].inner_state)
   assert float(ols.loss_scale(new_state)) == 2.0**9
   assert not bool(ols.skip_stats(new_state).last_finite)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_the_accelerator_form_of_the_check_adds_no_gathering(
-    axis_type, monkeypatch):
+  axis_type, monkeypatch
+):
   # On CPU the check lowers to its CPU form; this forces the form that
   # GPU and TPU run, and compiles it on the CPU mesh.
-  monkeypatch.setattr(_finite, "_all_finite_here",
-                      lambda *leaves: _finite._concatenated(*leaves))
+  monkeypatch.setattr(
+    _finite, "_all_finite_here", lambda *leaves: _finite._concatenated(*leaves)
+  )
   for layout in LAYOUTS:
     _, _, out = run_case(layout, axis_type, "sgd_momentum", donate=True)
     (plain_counts, _), (counts, reduced) = (
-        collectives(out["plain"]["compiled"]),
-        collectives(out["ours"]["compiled"]))
+      collectives(out["plain"]["compiled"]),
+      collectives(out["ours"]["compiled"]),
+    )
     for kind in GATHERING:
       assert counts[kind] <= plain_counts[kind], (layout, kind, counts)
     assert all(t.endswith("[]") for t in reduced), reduced
@@ -244,11 +276,11 @@ def test_scale_loss_and_read_outs_under_an_explicit_mesh():
 
     @jax.jit
     def loss_and_scale(params, state):
-      loss = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+      loss = sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
       return ols.scale_loss(loss, state), ols.loss_scale(state)
 
     scaled, scale = loss_and_scale(params, state)
-    unscaled = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+    unscaled = sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
     assert float(scaled) == float(unscaled) * 16.0
     assert float(scale) == 16.0
     assert int(ols.dynamic_counter(state)) == 0
@@ -292,8 +324,11 @@ def test_the_rewrite_keeps_name_stacks():
   inner = optax.GradientTransformation(init, update)
   tx = ols.loss_scale_optimizer(inner)
   params = {"w": jnp.ones(8)}
-  text = jax.jit(tx.update).lower(params, tx.init(params),
-                                  params).as_text(debug_info=True)
+  text = (
+    jax.jit(tx.update)
+    .lower(params, tx.init(params), params)
+    .as_text(debug_info=True)
+  )
   assert "my_momentum" in text
 
 
@@ -313,5 +348,6 @@ def test_the_rewrite_warns_once_when_it_cannot_run(monkeypatch):
     jax.jit(tx.update)(params * 2, state, params)
   # The fallback is the exact select.
   plain_updates, _ = optax.adam(1e-3).update(
-      params / 2.0**15, state.inner_state, params)
+    params / 2.0**15, state.inner_state, params
+  )
   chex.assert_trees_all_close(updates, plain_updates, rtol=1e-6)

@@ -16,25 +16,28 @@ import pytest
 import optax_lossscale as ols
 from optax_lossscale import _skip
 
-PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-          "b": jnp.linspace(0.5, 1.0, 4)}
-GRADS = {"w": jnp.linspace(0.3, -0.2, 12).reshape(3, 4),
-         "b": jnp.full(4, 0.25)}
+PARAMS = {
+  "w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+  "b": jnp.linspace(0.5, 1.0, 4),
+}
+GRADS = {"w": jnp.linspace(0.3, -0.2, 12).reshape(3, 4), "b": jnp.full(4, 0.25)}
 
 INNERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3),
-    "lamb": lambda: optax.lamb(1e-3),
-    "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1),
-                                          optax.adam(1e-2)),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)),
-    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
-    "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(1e-2), 2),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+  "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  "lion": lambda: optax.lion(1e-3),
+  "lamb": lambda: optax.lamb(1e-3),
+  "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
+  "adafactor": lambda: optax.adafactor(1e-2),
+  "clip_then_adam": lambda: optax.chain(
+    optax.clip_by_global_norm(0.1), optax.adam(1e-2)
+  ),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
+  ),
+  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+  "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(1e-2), 2),
 }
 
 
@@ -47,8 +50,9 @@ def run_both(inner, grads_seq):
       finite = ols.all_finite(grads)
       safe = _skip.zero_unless(finite, grads)
       return _skip.update_unless(
-          finite, lambda s: inner.update(safe, s, PARAMS), state,
-          rewrite=rewrite)
+        finite, lambda s: inner.update(safe, s, PARAMS), state, rewrite=rewrite
+      )
+
     return step
 
   rewritten, plain = make_step(True), make_step(False)
@@ -69,7 +73,8 @@ def test_rewritten_skip_matches_the_plain_select(name):
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), GRADS)
   sequence = [GRADS, nan, GRADS, GRADS, nan, nan, GRADS]
   for grads, (u_r, old_r, new_r), (u_p, new_p) in run_both(
-      INNERS[name](), sequence):
+    INNERS[name](), sequence
+  ):
     chex.assert_trees_all_equal_shapes_and_dtypes(new_r, new_p)
     if grads is nan:
       assert bits(new_r) == bits(old_r)  # the old state, bit for bit
@@ -85,7 +90,8 @@ def test_eager_calls_take_the_plain_select():
   state = inner.init(PARAMS)
   finite = jnp.asarray(True)
   updates, new_state = _skip.update_unless(
-      finite, lambda s: inner.update(GRADS, s, PARAMS), state)
+    finite, lambda s: inner.update(GRADS, s, PARAMS), state
+  )
   plain_updates, plain_state = inner.update(GRADS, state, PARAMS)
   chex.assert_trees_all_equal(updates, plain_updates)
   chex.assert_trees_all_equal(new_state, plain_state)
@@ -100,10 +106,16 @@ def compiled_costs(tx, grad_dtype=jnp.float32, n_leaves=8, size=4096):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      params, tx.init(params), grads).compile()
-  vector_copies = [line for line in compiled.as_text().splitlines()
-                   if " copy(" in line and f"[{size}]" in line.split("=")[1]]
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, tx.init(params), grads)
+    .compile()
+  )
+  vector_copies = [
+    line
+    for line in compiled.as_text().splitlines()
+    if " copy(" in line and f"[{size}]" in line.split("=")[1]
+  ]
   return len(vector_copies), compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -111,9 +123,11 @@ def compiled_costs(tx, grad_dtype=jnp.float32, n_leaves=8, size=4096):
 # state) cannot use some donated buffers; ours uses them all.
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.float16])
-@pytest.mark.parametrize("inner", [optax.adam(1e-3),
-                                   optax.sgd(1e-3, momentum=0.9)],
-                         ids=["adam", "sgd_momentum"])
+@pytest.mark.parametrize(
+  "inner",
+  [optax.adam(1e-3), optax.sgd(1e-3, momentum=0.9)],
+  ids=["adam", "sgd_momentum"],
+)
 def test_no_copy_of_the_optimizer_state_and_no_temporary(inner, grad_dtype):
   # The usual `where` skip copies every donated state buffer first (the
   # reason it runs at 4-6x a plain step on CPU); ours copies none, and
@@ -143,21 +157,29 @@ def test_unscale_is_the_correctly_rounded_quotient():
   flushes subnormal inputs and results to zero (XLA on CPU), the reference
   does too; where it keeps them (XLA on GPU), so does the reference."""
   from optax_lossscale import _unscale
-  flush = (_flush_subnormals if _backend_flushes_subnormals()
-           else lambda x: np.asarray(x, np.float32))
+
+  flush = (
+    _flush_subnormals
+    if _backend_flushes_subnormals()
+    else lambda x: np.asarray(x, np.float32)
+  )
   rng = np.random.default_rng(0)
-  values = np.concatenate([
+  values = np.concatenate(
+    [
       rng.standard_normal(1000) * 10.0 ** rng.integers(-40, 38, 1000),
       [0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.17e-38, 1e30, 3.0],
-  ]).astype(np.float32)
+    ]
+  ).astype(np.float32)
   unscale = jax.jit(_unscale.unscale)
   for exponent in (-10, 0, 1, 15, 24, 100, 126, 127, 1.5, 20.3, 126.7):
     scale = np.float32(2.0**exponent)
     with np.errstate(over="ignore"):  # 3.4e38 / 2**-10 is inf, as it should
       expected = flush(flush(values).astype(np.float64) / np.float64(scale))
     got = np.asarray(unscale(jnp.asarray(values), jnp.float32(scale)))
-    ulps = np.abs(got.view(np.int32).astype(np.int64)
-                  - expected.view(np.int32).astype(np.int64))
+    ulps = np.abs(
+      got.view(np.int32).astype(np.int64)
+      - expected.view(np.int32).astype(np.int64)
+    )
     allowed = 0 if float(exponent).is_integer() else 1
     assert ulps.max() <= allowed, (exponent, ulps.max())
 
@@ -170,20 +192,29 @@ def test_typed_prng_keys_in_the_inner_state():
   state = tx.init(params)
   for update in (tx.update, jax.jit(tx.update)):
     _, new_state = update(jnp.array([1.0, jnp.nan, 1.0]), state, params)
-    assert jax.random.key_data(new_state.inner_state[0].rng_key).tolist() == \
-        jax.random.key_data(state.inner_state[0].rng_key).tolist()
+    assert (
+      jax.random.key_data(new_state.inner_state[0].rng_key).tolist()
+      == jax.random.key_data(state.inner_state[0].rng_key).tolist()
+    )
     _, new_state = update(jnp.ones(3), state, params)
-    assert new_state.inner_state[0].rng_key.dtype == \
-        state.inner_state[0].rng_key.dtype
+    assert (
+      new_state.inner_state[0].rng_key.dtype
+      == state.inner_state[0].rng_key.dtype
+    )
 
 
-@pytest.mark.parametrize("make_tx", [
+@pytest.mark.parametrize(
+  "make_tx",
+  [
     lambda: optax.adam(1e-3),
     lambda: ols.loss_scale_optimizer(optax.adam(1e-3)),
     lambda: ols.loss_scale_optimizer(optax.sgd(1e-3, momentum=0.9)),
-    lambda: ols.loss_scale_optimizer(optax.sgd(1e-3), dynamic=False,
-                                     initial_scale=8.0),
-], ids=["plain_adam", "adam", "sgd_momentum", "static_sgd"])
+    lambda: ols.loss_scale_optimizer(
+      optax.sgd(1e-3), dynamic=False, initial_scale=8.0
+    ),
+  ],
+  ids=["plain_adam", "adam", "sgd_momentum", "static_sgd"],
+)
 def test_every_output_is_written_into_a_donated_buffer(make_tx):
   # An output with no donated input to reuse gets a fresh buffer every
   # step; on GPU a fresh address makes XLA update its command buffer on
@@ -200,11 +231,11 @@ def test_every_output_is_written_into_a_donated_buffer(make_tx):
   step = jax.jit(step, donate_argnums=(0, 1))
   state = tx.init(params)
   params, state = step(params, state, grads)  # outputs of a jitted step
-  donated = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(
-      (params, state))}
+  donated = {
+    x.unsafe_buffer_pointer() for x in jax.tree.leaves((params, state))
+  }
   outputs = jax.tree.leaves(step(params, state, grads))
-  fresh = [x.shape for x in outputs
-           if x.unsafe_buffer_pointer() not in donated]
+  fresh = [x.shape for x in outputs if x.unsafe_buffer_pointer() not in donated]
   assert fresh == []
 
 

@@ -37,19 +37,24 @@ def runs():
   # overflows at step 31 of 40; here, in 30 steps, it grows every 3.
   setup = study.prepare(STEPS, n_checkpoints=1, growth_steps=3)
   specs = study.main_specs(setup["cfg"])
-  specs.update({
+  specs.update(
+    {
       "static_high": study.static_spec(2.0**20),
       # From below: growth every 3 finite steps climbs 10 octaves in 30.
       "dyn_from_low": study.dynamic_spec(1.0, 3),
       # From above, at the default growth interval: backoffs only.
       "dyn_from_high": study.dynamic_spec(2.0**32),
-  })
-  out = {name: study.train(setup, spec, name=name)
-         for name, spec in specs.items()}
+    }
+  )
+  out = {
+    name: study.train(setup, spec, name=name) for name, spec in specs.items()
+  }
   for name, r in out.items():  # shown with pytest -s
-    print(f"{name:<14} {r['eval_loss']:.4f} skipped {r['skipped_total']}"
-          f" backoffs {r['backoffs']} growths {r['growths']}"
-          f" final 2**{np.log2(r['final_scale']):g}")
+    print(
+      f"{name:<14} {r['eval_loss']:.4f} skipped {r['skipped_total']}"
+      f" backoffs {r['backoffs']} growths {r['growths']}"
+      f" final 2**{np.log2(r['final_scale']):g}"
+    )
   return out
 
 
@@ -70,7 +75,8 @@ def test_below_the_window_plain_float16_flushes_and_falls_behind(runs):
   plain = runs["fp16"]
   assert plain["eval_loss"] - ref > PLAIN_WORSE_BY
   assert plain["eval_loss"] > runs["fp16_static"]["eval_loss"] + (
-      PLAIN_WORSE_BY)
+    PLAIN_WORSE_BY
+  )
   # the cause: a real share of the activation gradients flush to zero,
   # next to none at 2**10; nothing overflows
   assert plain["act_flushed_mean"] > 0.05
@@ -108,9 +114,9 @@ def test_dynamic_lands_in_the_window_from_above(runs):
   assert r["growths"] == 0
   assert LOW <= r["final_scale"] <= HIGH
   first = int(np.argmax(r["scale"] <= HIGH))
-  assert np.all(r["skipped"][:first + 1])
-  assert not np.any(r["skipped"][first + 1:])
-  assert r["final_scale"] == 2.0**32 / 2.0**r["skipped_total"]
+  assert np.all(r["skipped"][: first + 1])
+  assert not np.any(r["skipped"][first + 1 :])
+  assert r["final_scale"] == 2.0**32 / 2.0 ** r["skipped_total"]
 
 
 def test_main_job_dynamic_grows_and_backs_off(runs):
@@ -122,8 +128,9 @@ def test_main_job_dynamic_grows_and_backs_off(runs):
   assert r["backoffs"] == r["skipped_total"]
   prev = np.concatenate([[2.0**15], r["scale"][:-1]])
   np.testing.assert_array_equal(r["scale"] < prev, r["skipped"])
-  np.testing.assert_array_equal(r["scale"][r["scale"] > prev],
-                                2 * prev[r["scale"] > prev])
+  np.testing.assert_array_equal(
+    r["scale"][r["scale"] > prev], 2 * prev[r["scale"] > prev]
+  )
   # and it ends at a usable scale, with next to nothing flushed (the
   # overflow edge rises as the gradients shrink during training: 2**17 at
   # the start, 2**20 to 2**21 by step 30)
@@ -136,27 +143,40 @@ def test_window_from_a_sweep_record():
   ref = 2.0
 
   def rec(loss, scales=(), skipped=()):
-    return {"eval_loss": loss, "scale": np.asarray(scales),
-            "skipped": np.asarray(skipped, bool)}
+    return {
+      "eval_loss": loss,
+      "scale": np.asarray(scales),
+      "skipped": np.asarray(skipped, bool),
+    }
 
-  static = {1.0: rec(2.5), 4.0: rec(2.004), 16.0: rec(1.999),
-            64.0: rec(2.5), 256.0: rec(2.0)}
+  static = {
+    1.0: rec(2.5),
+    4.0: rec(2.004),
+    16.0: rec(1.999),
+    64.0: rec(2.5),
+    256.0: rec(2.0),
+  }
   assert study.find_window(static, ref, 0.005) == (4.0, 16.0)
   assert study.find_window({1.0: rec(3.0)}, ref, 0.005) is None
   r = rec(0, [32.0, 16.0, 8.0, 16.0, 8.0], [1, 1, 0, 0, 1])
-  assert study.landing(r, (4.0, 16.0)) == {"steps": 2, "skips": 2,
-                                           "stays": 1.0}
+  assert study.landing(r, (4.0, 16.0)) == {"steps": 2, "skips": 2, "stays": 1.0}
   assert study.landing(r, (64.0, 128.0)) is None
 
 
 def test_json_round_trip(tmp_path):
-  out = {"runs": {"a": {"loss": np.array([1.5, 2.0], np.float32),
-                        "scale": np.array([4.0, 2.0]),
-                        "skipped": np.array([False, True]),
-                        "act_flushed_mean": float("nan"),
-                        "flush": [{"step": 2, "nonfinite": float("nan")}],
-                        "params": object()}},
-         "window": (2.0, 8.0)}
+  out = {
+    "runs": {
+      "a": {
+        "loss": np.array([1.5, 2.0], np.float32),
+        "scale": np.array([4.0, 2.0]),
+        "skipped": np.array([False, True]),
+        "act_flushed_mean": float("nan"),
+        "flush": [{"step": 2, "nonfinite": float("nan")}],
+        "params": object(),
+      }
+    },
+    "window": (2.0, 8.0),
+  }
   path = tmp_path / "r.json"
   path.write_text(json.dumps(study.to_json(out), allow_nan=False))
   back = study.load_json(path)
@@ -176,16 +196,22 @@ def test_notebook_executes_and_draws(tmp_path):
   for cell in nb.cells:
     if cell.cell_type == "code":
       assert not cell.outputs, "commit the notebook with outputs stripped"
-  env_before = {k: os.environ.get(k) for k in
-                ("FP16_STUDY_STEPS", "FP16_STUDY_BATCH", "JAX_PLATFORMS")}
+  env_before = {
+    k: os.environ.get(k)
+    for k in ("FP16_STUDY_STEPS", "FP16_STUDY_BATCH", "JAX_PLATFORMS")
+  }
   # Small: this checks that the notebook runs and draws, not the numbers.
   # The sweep's figures are drawn from the committed sweep results.
-  os.environ.update(FP16_STUDY_STEPS="10", FP16_STUDY_BATCH="8192",
-                    JAX_PLATFORMS="cpu")
+  os.environ.update(
+    FP16_STUDY_STEPS="10", FP16_STUDY_BATCH="8192", JAX_PLATFORMS="cpu"
+  )
   try:
     client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3",
-        resources={"metadata": {"path": str(NOTEBOOKS)}})
+      nb,
+      timeout=300,
+      kernel_name="python3",
+      resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
     client.execute()
   finally:
     for k, v in env_before.items():
@@ -193,9 +219,19 @@ def test_notebook_executes_and_draws(tmp_path):
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
-  pngs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-          if "image/png" in o.get("data", {})]
+  pngs = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.outputs
+    if "image/png" in o.get("data", {})
+  ]
   assert len(pngs) >= 6
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if o.get("output_type") == "error"]
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.outputs
+    if o.get("output_type") == "error"
+  ]
   assert not errors

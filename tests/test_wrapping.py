@@ -25,13 +25,15 @@ def _plateau_chain():
 
 
 def test_extra_args_reach_inner_through_multisteps_object():
-  tx = ols.loss_scale_optimizer(optax.MultiSteps(_plateau_chain(), 1),
-                                initial_scale=1.0)
+  tx = ols.loss_scale_optimizer(
+    optax.MultiSteps(_plateau_chain(), 1), initial_scale=1.0
+  )
   state = tx.init(PARAMS)
   updates, state = tx.update(GRADS, state, PARAMS, value=jnp.float32(2.0))
   plain = optax.MultiSteps(_plateau_chain(), 1)
-  expected, _ = plain.update(GRADS, plain.init(PARAMS), PARAMS,
-                             value=jnp.float32(2.0))
+  expected, _ = plain.update(
+    GRADS, plain.init(PARAMS), PARAMS, value=jnp.float32(2.0)
+  )
   np.testing.assert_array_equal(updates["w"], expected["w"])
   np.testing.assert_array_equal(updates["w"], [-0.5, -0.5])
 
@@ -87,17 +89,20 @@ def test_lookahead_end_to_end():
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     plain_grads = jax.grad(loss)(plain_params.fast)
-    plain_updates, plain_state = inner.update(plain_grads, plain_state,
-                                              plain_params)
+    plain_updates, plain_state = inner.update(
+      plain_grads, plain_state, plain_params
+    )
     plain_params = optax.apply_updates(plain_params, plain_updates)
   jax.tree.map(np.testing.assert_array_equal, params, plain_params)
 
   nan_grads = {"w": jnp.array([jnp.nan, 1.0])}
   updates, new_state = tx.update(nan_grads, state, params)
-  jax.tree.map(np.testing.assert_array_equal, updates,
-               jax.tree.map(jnp.zeros_like, params))
-  jax.tree.map(np.testing.assert_array_equal, new_state.inner_state,
-               state.inner_state)
+  jax.tree.map(
+    np.testing.assert_array_equal, updates, jax.tree.map(jnp.zeros_like, params)
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal, new_state.inner_state, state.inner_state
+  )
   assert ols.loss_scale(new_state) == 4.0
 
 
@@ -105,7 +110,9 @@ def test_lookahead_gradients_of_the_wrong_tree_are_still_refused():
   inner = optax.lookahead(optax.sgd(0.25), sync_period=2, slow_step_size=0.5)
   tx = ols.loss_scale_optimizer(inner)
   params = optax.LookaheadParams.init_synced(PARAMS)
-  with pytest.raises(ValueError, match="`params.fast` for `optax.lookahead`"):
+  with pytest.raises(
+    ValueError, match=r"`params\.fast` for `optax\.lookahead`"
+  ):
     tx.update({"v": jnp.ones(2)}, tx.init(params), params)
 
 
@@ -113,13 +120,17 @@ def test_lookahead_gradients_of_the_wrong_tree_are_still_refused():
 
 
 def test_config_survives_replace_copy_and_pickle():
-  tx = ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=256.0,
-                                dynamic_growth_steps=10)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1), initial_scale=256.0, dynamic_growth_steps=10
+  )
   config = tx.loss_scale_config
   replaced = tx._replace(init=tx.init)
   assert replaced.loss_scale_config == config
   assert ols.to_keras_config(replaced) == {
-      "dynamic": True, "initial_scale": 256.0, "dynamic_growth_steps": 10}
+    "dynamic": True,
+    "initial_scale": 256.0,
+    "dynamic_growth_steps": 10,
+  }
   assert copy.deepcopy(tx).loss_scale_config == config
   assert pickle.loads(pickle.dumps(config)) == config
 
@@ -137,14 +148,18 @@ def test_config_is_gone_with_a_replaced_update():
 
 
 def _static(scale=4.0):
-  return ols.loss_scale_optimizer(optax.sgd(0.5), dynamic=False,
-                                  initial_scale=scale, min_scale=min(scale, 1))
+  return ols.loss_scale_optimizer(
+    optax.sgd(0.5), dynamic=False, initial_scale=scale, min_scale=min(scale, 1)
+  )
 
 
 def test_static_scale_refuses_a_value_below_one():
   state = _static().init(PARAMS)
-  with pytest.raises(ValueError, match=r"`value` must be >= 1 for this"
-                     r" static loss scale \(dynamic=False, now 4.0\), got 0.5"):
+  with pytest.raises(
+    ValueError,
+    match=r"`value` must be >= 1 for this"
+    r" static loss scale \(dynamic=False, now 4.0\), got 0.5",
+  ):
     ols.set_loss_scale(state, 0.5)
   assert ols.loss_scale(ols.set_loss_scale(state, 1.0)) == 1.0
 
@@ -208,7 +223,8 @@ def test_readouts_on_a_replicated_state_give_one_value_per_replica():
   devices = jax.local_devices()
   state = tx.init(PARAMS)
   replicated = jax.pmap(lambda _: state)(jnp.arange(len(devices)))
-  np.testing.assert_array_equal(ols.loss_scale(replicated),
-                                [8.0] * len(devices))
+  np.testing.assert_array_equal(
+    ols.loss_scale(replicated), [8.0] * len(devices)
+  )
   with pytest.raises(ValueError, match="must hold a scalar scale"):
     ols.scale_loss(1.0, replicated)
