@@ -53,23 +53,8 @@ SKIPS = {
 }
 
 
-# Pages that do not run yet: their rewrite (self-contained blocks, ```py for
-# other libraries' code) is in progress. Strict: once a page runs, its entry
-# fails the test until it is removed here.
-PENDING = {
-  "README.md": "blocks use `params`, `loss_fn`, `batch` defined nowhere on"
-  " the page (the old test supplied them)",
-  "docs/composition.md": "blocks use `params` defined nowhere on the page",
-  "docs/migration.md": "Keras and PyTorch code fenced ```python, not ```py",
-}
-
-
 def _page_param(path: pathlib.Path):
-  page = _page_id(path)
-  marks = []
-  if page in PENDING:
-    marks.append(pytest.mark.xfail(reason=PENDING[page], strict=True))
-  return pytest.param(path, id=page, marks=marks)
+  return pytest.param(path, id=_page_id(path))
 
 
 class Block:
