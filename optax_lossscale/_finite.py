@@ -152,9 +152,8 @@ def _raveled_by_dtype(leaves):
 
 
 # Leaves under this many elements are checked together, concatenated (a
-# small copy): measured on CPU with 1,000 leaves of 1,000 elements, the step
-# compiled in 3.3x the plain one's time instead of 6.1x, and ran in 1.25x
-# instead of 1.45x. Larger leaves are not copied.
+# small copy): many small reductions compile and run slower on CPU than one
+# (benchmarks/README.md). Larger leaves are not copied.
 _CONCATENATE_BELOW = 2**12
 
 
@@ -178,12 +177,10 @@ def _groups_of_one_shape(leaves):
   return groups
 
 
-# Measured on 2 CPU cores (jax 0.10.2), compiling the check alone: one
-# reduction per leaf took 6.0 s of CPU time for 1,000 leaves of 10,000
-# elements, groups of up to 2**20 elements 0.6 s; for 50 leaves of 200,000,
-# 163 ms against 90 ms, with the same run time of the whole adam step.
-# Larger leaves stay alone: their reductions run in parallel on XLA's thread
-# pool, and groups of 7 leaves of 200,000 made that step 4-8% slower.
+# Grouped: XLA on CPU compiles each reduction kernel on its own, and slowly,
+# so one reduction per leaf compiles slowly at many leaves. Larger leaves
+# stay alone: their reductions run in parallel on XLA's thread pool
+# (benchmarks/README.md).
 _ELEMENTS_PER_GROUP = 2**20
 _MAX_GROUP = 64
 
@@ -205,9 +202,9 @@ def _one_pass(leaves) -> jax.Array:
     finite = jnp.isfinite(leaf)
   else:
     # The largest exponent over the leaves is all ones exactly where one of
-    # them is not finite. Integer arithmetic: no conversion of float16 (an
-    # `x * 0` sum ran 2x slower on float16 leaves), and no float max (XLA's
-    # vectorized float max on CPU drops NaNs in large arrays).
+    # them is not finite. Integer arithmetic: no conversion of float16
+    # (which slowed an `x * 0` sum on float16 leaves), and no float max
+    # (XLA's vectorized float max on CPU drops NaNs in large arrays).
     exponent = _exponent(leaves[0], mask)
     for x in leaves[1:]:
       exponent = lax.max(exponent, _exponent(x, mask))

@@ -9,7 +9,8 @@ from the *unselected* new state, which is then no output of the step. XLA
 fuses that cheap new-state arithmetic into both the updates and the selected
 state, so two fusions read every old (donated) state buffer while one of them
 overwrites it in place, and XLA's default copy insertion copies every donated
-state buffer first: 3.9-5.6x a plain adam step on CPU.
+state buffer first, which makes the step several times slower than a plain
+adam step on CPU (benchmarks/README.md).
 
 `update_unless` instead selects each new-state value *where it is made*, and
 lets everything after it in the inner update (its updates, in particular)
