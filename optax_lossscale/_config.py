@@ -3,6 +3,8 @@
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import numpy as np
 from jax import errors as jax_errors
@@ -12,6 +14,9 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 _INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+# What `axis_name` accepts: one axis name, or a tuple of them.
+AxisName: TypeAlias = str | int | tuple[str | int, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +31,10 @@ class LossScaleConfig:
   min_scale: float
   max_scale: float
   hysteresis: int
-  axis_name: object
+  axis_name: AxisName
 
 
-def _as_real_scalar(value):
+def _as_real_scalar(value: Any) -> float | None:
   """A Python, NumPy or concrete JAX real scalar as a float, else None."""
   if isinstance(value, bool | np.bool_):
     return None
@@ -48,7 +53,9 @@ def _as_real_scalar(value):
   return None
 
 
-def _check_float(name, value, *, accepted, ok) -> float:
+def _check_float(
+  name: str, value: Any, *, accepted: str, ok: Callable[[float], bool]
+) -> float:
   """Returns `value` as a float if it is a real number and `ok(value)`."""
   as_float = _as_real_scalar(value)
   if as_float is None:
@@ -61,7 +68,7 @@ def _check_float(name, value, *, accepted, ok) -> float:
   return as_float
 
 
-def _check_int(name, value, *, minimum) -> int:
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
   accepted = f"an int >= {minimum} and <= 2**31 - 1"
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(
@@ -81,16 +88,16 @@ def _representable_in_float32(value: float) -> bool:
 
 
 def make_config(
-  dynamic,
-  initial_scale,
-  dynamic_growth_steps,
+  dynamic: bool,
+  initial_scale: float | None,
+  dynamic_growth_steps: int | None,
   *,
-  growth_factor,
-  backoff_factor,
-  min_scale,
-  max_scale,
-  hysteresis,
-  axis_name,
+  growth_factor: float,
+  backoff_factor: float,
+  min_scale: float,
+  max_scale: float | None,
+  hysteresis: int,
+  axis_name: AxisName,
 ) -> LossScaleConfig:
   """Validates the public arguments; every error names argument and value."""
   # Keras-TF2's own checks come first, with the same exception types.
@@ -173,7 +180,7 @@ def _float32(value: float) -> float:
   return float(np.float32(value))
 
 
-def _check_axis_name(axis_name) -> None:
+def _check_axis_name(axis_name: object) -> None:
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if axis_name is None:
     return

@@ -1,14 +1,17 @@
 """One boolean for a whole gradient tree."""
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _placement
+from optax_lossscale import _config, _placement
 
 
-def all_finite(tree) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
   """Returns a boolean scalar: whether every element of every leaf is finite.
 
   ``None`` leaves and empty subtrees (such as ``optax.MaskedNode``) are
@@ -47,7 +50,7 @@ def all_finite(tree) -> jax.Array:
   return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
 
-def _all_finite_here(*leaves) -> jax.Array:
+def _all_finite_here(*leaves: jax.Array) -> jax.Array:
   """The check of leaves that live whole on one device (or are one shard)."""
   # Two formulations of one exact check, chosen when the step is lowered
   # (no branch at run time). On CPU (`_on_cpu`): large leaves of one shape
@@ -59,7 +62,9 @@ def _all_finite_here(*leaves) -> jax.Array:
   return lax.platform_dependent(*leaves, cpu=_on_cpu, default=_concatenated)
 
 
-def _by_placement(leaves):
+def _by_placement(
+  leaves: list[jax.Array],
+) -> tuple[list[jax.Array], dict[Any, list[jax.Array]], list[jax.Array]]:
   """Splits the leaves by where they live, as their types say.
 
   Returns `(local, explicit, auto)`: leaves on one device or inside
@@ -67,7 +72,9 @@ def _by_placement(leaves):
   `Explicit` mesh, by mesh (their specs are known while tracing); and
   leaves on a mesh with `Auto` axes, whose sharding XLA picks later.
   """
-  local, explicit, auto = [], {}, []
+  local: list[jax.Array] = []
+  explicit: dict[Any, list[jax.Array]] = {}
+  auto: list[jax.Array] = []
   for x in leaves:
     mesh = _placement.mesh_of(x)
     if _placement.on_one_device(mesh):
@@ -79,7 +86,7 @@ def _by_placement(leaves):
   return local, explicit, auto
 
 
-def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
+def _all_finite_on_mesh(mesh: Any, leaves: list[jax.Array]) -> jax.Array:
   """Each device checks its own shards; one boolean is reduced over the mesh.
 
   Inside `shard_map` every leaf is a local block, so the single-device
@@ -98,7 +105,7 @@ def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
   }
   axes = tuple(a for a in mesh.axis_names if a in sharded_on)
 
-  def check_shards(*shards):
+  def check_shards(*shards: jax.Array) -> jax.Array:
     finite = _all_finite_here(*shards)
     if not axes:
       return finite
@@ -107,7 +114,7 @@ def _all_finite_on_mesh(mesh, leaves) -> jax.Array:
   return _shard_map(check_shards, mesh, specs)(*leaves)
 
 
-def _reduced_where_it_lives(x) -> jax.Array:
+def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
   """Whether one leaf, whose sharding XLA picks later, is finite.
 
   `sum(x - x)` is 0 for finite `x` and NaN otherwise, exactly. XLA's SPMD
@@ -122,7 +129,7 @@ def _reduced_where_it_lives(x) -> jax.Array:
   return lax.is_finite(lax.reduce_sum(zeros, tuple(range(x.ndim))))
 
 
-def _shard_map(f, mesh, in_specs):
+def _shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any) -> Any:
   out_spec = jax.sharding.PartitionSpec()
   if hasattr(jax, "shard_map"):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
@@ -131,7 +138,7 @@ def _shard_map(f, mesh, in_specs):
   return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
 
 
-def _on_cpu(*leaves) -> jax.Array:
+def _on_cpu(*leaves: jax.Array) -> jax.Array:
   # Each reduction is a kernel of its own, and XLA on CPU compiles a
   # reduction kernel slowly: leaves of one shape are read together.
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
@@ -143,7 +150,9 @@ def _on_cpu(*leaves) -> jax.Array:
   return jnp.all(jnp.stack(flags))
 
 
-def _raveled_by_dtype(leaves):
+def _raveled_by_dtype(
+  leaves: Sequence[jax.Array],
+) -> list[list[jax.Array]]:
   """The leaves raveled, one list per dtype (a concatenation needs one)."""
   return [
     [x.ravel() for x in leaves if x.dtype == dtype]
@@ -152,20 +161,19 @@ def _raveled_by_dtype(leaves):
 
 
 # Leaves under this many elements are checked together, concatenated (a
-# small copy): measured on CPU with 1,000 leaves of 1,000 elements, the step
-# compiled in 3.3x the plain one's time instead of 6.1x, and ran in 1.25x
-# instead of 1.45x. Larger leaves are not copied.
+# small copy): many small reductions compile and run slower on CPU than one
+# (benchmarks/README.md). Larger leaves are not copied.
 _CONCATENATE_BELOW = 2**12
 
 
-def _groups_of_one_shape(leaves):
+def _groups_of_one_shape(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   """The leaves in groups of one shape and dtype, each group one reduction.
 
   A group holds up to `_ELEMENTS_PER_GROUP` elements (at least one leaf, at
   most `_MAX_GROUP`). Leaves without an exponent mask (complex, float8) stay
   alone.
   """
-  by_kind = {}
+  by_kind: dict[Any, list[jax.Array]] = {}
   for i, x in enumerate(leaves):
     # By position, not `id(x)`: one array may be passed twice.
     kind = (x.shape, x.dtype) if x.dtype in _EXPONENT_MASKS else i
@@ -178,18 +186,16 @@ def _groups_of_one_shape(leaves):
   return groups
 
 
-# Measured on 2 CPU cores (jax 0.10.2), compiling the check alone: one
-# reduction per leaf took 6.0 s of CPU time for 1,000 leaves of 10,000
-# elements, groups of up to 2**20 elements 0.6 s; for 50 leaves of 200,000,
-# 163 ms against 90 ms, with the same run time of the whole adam step.
-# Larger leaves stay alone: their reductions run in parallel on XLA's thread
-# pool, and groups of 7 leaves of 200,000 made that step 4-8% slower.
+# Grouped: XLA on CPU compiles each reduction kernel on its own, and slowly,
+# so one reduction per leaf compiles slowly at many leaves. Larger leaves
+# stay alone: their reductions run in parallel on XLA's thread pool
+# (benchmarks/README.md).
 _ELEMENTS_PER_GROUP = 2**20
 _MAX_GROUP = 64
 
 # The bits of the exponent, by dtype, as the unsigned integer of that width.
 # The exponent is all ones exactly for infinities and NaNs (IEEE 754).
-_EXPONENT_MASKS = {
+_EXPONENT_MASKS: dict[np.dtype, np.unsignedinteger] = {
   jnp.dtype(jnp.float16): np.uint16(0x7C00),
   jnp.dtype(jnp.bfloat16): np.uint16(0x7F80),
   jnp.dtype(jnp.float32): np.uint32(0x7F80_0000),
@@ -197,7 +203,7 @@ _EXPONENT_MASKS = {
 }
 
 
-def _one_pass(leaves) -> jax.Array:
+def _one_pass(leaves: Sequence[jax.Array]) -> jax.Array:
   """Whether every element of `leaves` (of one shape and dtype) is finite."""
   mask = _EXPONENT_MASKS.get(leaves[0].dtype)
   if mask is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
@@ -205,9 +211,9 @@ def _one_pass(leaves) -> jax.Array:
     finite = jnp.isfinite(leaf)
   else:
     # The largest exponent over the leaves is all ones exactly where one of
-    # them is not finite. Integer arithmetic: no conversion of float16 (an
-    # `x * 0` sum ran 2x slower on float16 leaves), and no float max (XLA's
-    # vectorized float max on CPU drops NaNs in large arrays).
+    # them is not finite. Integer arithmetic: no conversion of float16
+    # (which slowed an `x * 0` sum on float16 leaves), and no float max
+    # (XLA's vectorized float max on CPU drops NaNs in large arrays).
     exponent = _exponent(leaves[0], mask)
     for x in leaves[1:]:
       exponent = lax.max(exponent, _exponent(x, mask))
@@ -229,11 +235,13 @@ def _one_pass(leaves) -> jax.Array:
   return all_finite & ~any_not_finite
 
 
-def _exponent(x, mask):
+def _exponent(x: jax.Array, mask: np.unsignedinteger) -> jax.Array:
   return lax.bitwise_and(lax.bitcast_convert_type(x, mask.dtype), mask)
 
 
-def _and_or(a, b):
+def _and_or(
+  a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
   return a[0] & b[0], a[1] | b[1]
 
 
@@ -242,7 +250,7 @@ def _and_or(a, b):
 _LEAVES_PER_CONCATENATION = 64
 
 
-def _concatenated(*leaves) -> jax.Array:
+def _concatenated(*leaves: jax.Array) -> jax.Array:
   flags = []
   for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
@@ -251,7 +259,9 @@ def _concatenated(*leaves) -> jax.Array:
   return jnp.all(jnp.stack(flags))
 
 
-def all_finite_across(finite: jax.Array, axis_name) -> jax.Array:
+def all_finite_across(
+  finite: jax.Array, axis_name: _config.AxisName
+) -> jax.Array:
   """Reduces one boolean over `axis_name`, so that every replica agrees."""
   if axis_name is None:
     return finite

@@ -115,7 +115,8 @@ def value_and_grad(
     f"`ols.value_and_grad` of `{name}`: (opt_state, *args, **kwargs) ->"
     " (value, scaled grads)."
   )
-  scaled_value_and_grad.__signature__ = _signature(fun)
+  # Read by `inspect.signature`; mypy knows no `__signature__` on functions.
+  scaled_value_and_grad.__signature__ = _signature(fun)  # type: ignore[attr-defined]
   return scaled_value_and_grad
 
 

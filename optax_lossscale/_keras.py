@@ -5,6 +5,7 @@ from typing import Any
 
 from optax_lossscale._config import FLOAT32_MAX
 from optax_lossscale._optimizer import (
+  Inner,
   LossScaledTransformation,
   loss_scale_optimizer,
 )
@@ -34,7 +35,9 @@ _INNER_OPTIMIZER_KEYS = frozenset(
 _CURRENT_KEYS = frozenset({"dynamic", "initial_scale", "dynamic_growth_steps"})
 
 
-def from_keras_config(config: dict[str, Any], inner):
+def from_keras_config(
+  config: dict[str, Any], inner: Inner
+) -> LossScaledTransformation:
   """Builds the loss-scaled optimizer that a Keras config describes.
 
   Accepts the ``get_config()`` dict of ``tf.keras.mixed_precision.
@@ -100,7 +103,7 @@ def from_keras_config(config: dict[str, Any], inner):
   )
 
 
-def _legacy_arguments(loss_scale) -> dict[str, Any]:
+def _legacy_arguments(loss_scale: Any) -> dict[str, Any]:
   if loss_scale == "dynamic":
     return {"dynamic": True}
   if isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
@@ -146,7 +149,13 @@ def _legacy_arguments(loss_scale) -> dict[str, Any]:
   )
 
 
-def _check_legacy_keys(name, inner_config, accepted, *, required) -> None:
+def _check_legacy_keys(
+  name: str,
+  inner_config: Any,
+  accepted: frozenset[str] | set[str],
+  *,
+  required: frozenset[str] | set[str],
+) -> None:
   """A misspelt key must not fall back to a default silently."""
   if not isinstance(inner_config, dict):
     raise ValueError(

@@ -32,7 +32,7 @@ ACCEPTED = (
 )
 
 
-def _is_loss_scale_node(x) -> bool:
+def _is_loss_scale_node(x: Any) -> bool:
   """A `LossScaleState`, or the mapping `nnx.state` makes of one."""
   if isinstance(x, LossScaleState):
     return True
@@ -45,7 +45,7 @@ def _is_loss_scale_node(x) -> bool:
   return False
 
 
-def _is_nnx_variable(x) -> bool:
+def _is_nnx_variable(x: Any) -> bool:
   nnx = sys.modules.get("flax.nnx")
   variable = getattr(nnx, "Variable", None)
   return variable is not None and isinstance(x, variable)
@@ -92,21 +92,18 @@ def _find_node(opt_state):
   return found[0][1]
 
 
-def _read(opt_state) -> LossScaleState:
+def _read(opt_state: Any) -> LossScaleState:
   """The loss-scale state as plain arrays, possibly stacked (any shape)."""
   node = _find_node(opt_state)
   values = {
     name: _unwrap(_field(node, name)) for name in LossScaleState._fields
   }
-  return LossScaleState(
-    **{
-      name: None if value is None else jnp.asarray(value)
-      for name, value in values.items()
-    }
+  return LossScaleState._make(
+    None if value is None else jnp.asarray(value) for value in values.values()
   )
 
 
-def find_loss_scale_state(opt_state) -> LossScaleState:
+def find_loss_scale_state(opt_state: Any) -> LossScaleState:
   """The one scalar :class:`LossScaleState` inside `opt_state`, as arrays."""
   state = _read(opt_state)
   check_scalar_state(state)
@@ -120,7 +117,7 @@ def _scaled(loss: jax.Array, scale: jax.Array) -> jax.Array:
   )
 
 
-def _check_loss(loss) -> jax.Array:
+def _check_loss(loss: jax.typing.ArrayLike) -> jax.Array:
   loss = jnp.asarray(loss)
   if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(
@@ -249,11 +246,13 @@ def skip_stats(opt_state: Any) -> SkipStats:
   )
 
 
-def _is_concrete(x) -> bool:
+def _is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _check_value(value, old: jax.Array, static: bool) -> None:
+def _check_value(
+  value: jax.typing.ArrayLike, old: jax.Array, static: bool
+) -> None:
   """Refuses a concrete `value` that is not a usable scale for this state."""
   if jnp.shape(value) not in ((), old.shape):
     raise ValueError(

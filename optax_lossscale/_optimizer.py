@@ -1,16 +1,22 @@
 """`loss_scale_optimizer`: unscale, check, skip the inner update, adjust."""
 
 import inspect
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import jax
 import optax
 
 from optax_lossscale import _config, _skip, _unscale
+from optax_lossscale._config import AxisName
 from optax_lossscale._state import (
   LossScaleOptimizerState,
   LossScaleState,
   init_loss_scale_state,
 )
+
+# What `inner` accepts: an optax transformation, or an `optax.MultiSteps`.
+Inner: TypeAlias = optax.GradientTransformation | optax.MultiSteps
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
@@ -34,7 +40,7 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
     return config
 
 
-def _forwards_extra_args(update) -> bool:
+def _forwards_extra_args(update: Callable[..., Any]) -> bool:
   """Whether `update` takes keyword arguments beyond optax's three."""
   try:
     parameters = inspect.signature(update).parameters.values()
@@ -43,7 +49,7 @@ def _forwards_extra_args(update) -> bool:
   return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
+def _as_transformation(inner: Inner) -> optax.GradientTransformationExtraArgs:
   """Accepts what optax accepts: transformations, `MultiSteps` objects and
   duck-typed objects with `init` and `update`. Extra args (``value=`` for
   ``reduce_on_plateau``, ...) reach every `update` that takes ``**kwargs``;
@@ -76,7 +82,7 @@ def _as_transformation(inner) -> optax.GradientTransformationExtraArgs:
   )
 
 
-def _refuse_nested_loss_scaling(inner_state) -> None:
+def _refuse_nested_loss_scaling(inner_state: Any) -> None:
   nested = [
     leaf
     for leaf in jax.tree.leaves(
@@ -94,7 +100,7 @@ def _refuse_nested_loss_scaling(inner_state) -> None:
 
 
 def loss_scale_optimizer(
-  inner,
+  inner: Inner,
   dynamic: bool = True,
   initial_scale: float | None = None,
   dynamic_growth_steps: int | None = None,
@@ -104,7 +110,7 @@ def loss_scale_optimizer(
   min_scale: float = 1.0,
   max_scale: float | None = None,
   hysteresis: int = 1,
-  axis_name=None,
+  axis_name: AxisName = None,
 ) -> LossScaledTransformation:
   r"""Wraps an optax transformation with dynamic loss scaling.
 
@@ -195,7 +201,7 @@ def loss_scale_optimizer(
 
 
 def _loss_scale_optimizer_from_config(
-  inner, config
+  inner: optax.GradientTransformationExtraArgs, config: _config.LossScaleConfig
 ) -> LossScaledTransformation:
   def init_fn(params):
     inner_state = inner.init(params)
@@ -225,11 +231,12 @@ def _loss_scale_optimizer_from_config(
       loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
-  update_fn.loss_scale_config = config
+  # Read back by `LossScaledTransformation.loss_scale_config`.
+  update_fn.loss_scale_config = config  # type: ignore[attr-defined]
   return LossScaledTransformation(init_fn, update_fn)
 
 
-def _check_state_type(state) -> None:
+def _check_state_type(state: Any) -> None:
   if not isinstance(state, LossScaleOptimizerState):
     raise TypeError(
       "`state` must be the LossScaleOptimizerState that this optimizer's"

@@ -48,8 +48,8 @@ def _reading(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
   `jit` drops an input that the step never reads, and a donated state leaf
   that is dropped cannot lend its buffer to its successor: that output then
   gets a fresh buffer every step. On GPU a fresh address makes XLA update its
-  command buffer (CUDA graph) on every call, which doubled the wall-clock of
-  a small step (benchmarks/README.md). XLA folds the extra logic away.
+  command buffer (CUDA graph) on every call, which slowed a small step's
+  wall-clock (benchmarks/README.md). XLA folds the extra logic away.
   """
   return finite & (old_flag | finite)
 

@@ -9,7 +9,8 @@ from the *unselected* new state, which is then no output of the step. XLA
 fuses that cheap new-state arithmetic into both the updates and the selected
 state, so two fusions read every old (donated) state buffer while one of them
 overwrites it in place, and XLA's default copy insertion copies every donated
-state buffer first: 3.9-5.6x a plain adam step on CPU.
+state buffer first, which makes the step several times slower than a plain
+adam step on CPU (benchmarks/README.md).
 
 `update_unless` instead selects each new-state value *where it is made*, and
 lets everything after it in the inner update (its updates, in particular)
@@ -30,8 +31,10 @@ the select at the end, which is always exact.
 
 import contextlib
 import functools
+import types
 import warnings
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,7 @@ from jax.extend import core as jex_core
 
 from optax_lossscale import _placement
 
+_source_info: types.ModuleType | None
 try:  # name stacks and tracebacks of re-bound equations, for profiles
   from jax._src import source_info_util as _source_info
 except ImportError:  # pragma: no cover - the rewrite runs without them
@@ -59,7 +63,7 @@ def _drop_var_type():
 _DropVar = _drop_var_type()
 
 
-def keep_unless(finite: jax.Array, new, old):
+def keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
   """`new` where `finite`, else `old`, leaf by leaf in `old`'s dtype.
 
   The cast back matters: `jnp.where` promotes, and a state whose dtypes drift
@@ -72,7 +76,7 @@ def keep_unless(finite: jax.Array, new, old):
   )
 
 
-def zero_unless(finite: jax.Array, updates):
+def zero_unless(finite: jax.Array, updates: Any) -> Any:
   """`updates` where `finite`, else zeros of the same types."""
   zeros = functools.cache(_zeros)  # one per type, not per leaf
   return jax.tree.map(
@@ -80,7 +84,7 @@ def zero_unless(finite: jax.Array, updates):
   )
 
 
-def _zeros(aval) -> jax.Array:
+def _zeros(aval: Any) -> jax.Array:
   """Zeros of `aval`'s shape and dtype, sharded as it is on an `Explicit`
   mesh (a select needs both cases sharded alike); elsewhere XLA places
   them."""
@@ -119,7 +123,7 @@ def _select(finite, n, o):
   return selected.astype(jnp.result_type(o))
 
 
-def _same_array_type(n, o) -> bool:
+def _same_array_type(n: Any, o: Any) -> bool:
   """Whether `n` and `o` are arrays of one type (shape, dtype, weak type and
   sharding): `lax.select_n` then needs no promotion or broadcast."""
   if not (isinstance(n, jax.Array) and isinstance(o, jax.Array)):
@@ -132,11 +136,11 @@ def _same_array_type(n, o) -> bool:
 
 def update_unless(
   finite: jax.Array,
-  update: Callable,
-  old_state,
+  update: Callable[[Any], tuple[Any, Any]],
+  old_state: Any,
   *,
   rewrite: bool = True,
-):
+) -> tuple[Any, Any]:
   """Runs `update(old_state) -> (updates, new_state)`, skipped unless `finite`.
 
   Returns `(updates, state)`: on a finite step what `update` computes;
@@ -163,13 +167,15 @@ def update_unless(
   )
   update_slots = jax.tree.leaves(updates_shape)
   state_slots = jax.tree.leaves(new_state_shape)
-  if jax.tree.structure(new_state_shape) != state_def:
+  # Annotated: jax's own annotation of the structure's type does not resolve.
+  new_state_def: jax.tree_util.PyTreeDef = jax.tree.structure(new_state_shape)
+  if new_state_def != state_def:
     raise _structure_changed(old_state, new_state_shape)
 
   jaxpr = closed.jaxpr
   # Which jaxpr outputs are state leaves, and which old value each keeps.
   select_at = {}  # Var -> old leaf value, for vars selected where made
-  count = {}
+  count: dict[jex_core.Var, int] = {}
   for slot in state_slots:
     v = jaxpr.outvars[slot]
     if isinstance(v, jex_core.Var):
@@ -181,8 +187,10 @@ def update_unless(
       isinstance(v, jex_core.Var)
       and count[v] == 1
       and v not in passed_through
-      and v.aval.shape == jnp.shape(old)
-      and v.aval.dtype == jnp.result_type(old)
+      # A state leaf's var is an array's: its `aval` (typed as the
+      # `AbstractValue` base) is a `ShapedArray`.
+      and cast("jax.core.ShapedArray", v.aval).shape == jnp.shape(old)
+      and cast("jax.core.ShapedArray", v.aval).dtype == jnp.result_type(old)
     ):
       select_at[v] = old
 
@@ -213,12 +221,13 @@ def update_unless(
 def _select_after(finite, update, old_state):
   """The plain skip: run `update`, then select; always exact."""
   updates, new_state = update(old_state)
-  if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+  new_state_def: jax.tree_util.PyTreeDef = jax.tree.structure(new_state)
+  if new_state_def != jax.tree.structure(old_state):
     raise _structure_changed(old_state, new_state)
   return zero_unless(finite, updates), keep_unless(finite, new_state, old_state)
 
 
-def _structure_changed(old_state, new_state) -> ValueError:
+def _structure_changed(old_state: Any, new_state: Any) -> ValueError:
   """The error for an inner update whose state changes structure."""
   old_paths = {
     jax.tree_util.keystr(p)
@@ -239,7 +248,7 @@ def _structure_changed(old_state, new_state) -> ValueError:
   )
 
 
-_FALLBACK_REASONS_SAID = set()
+_FALLBACK_REASONS_SAID: set[str] = set()
 
 
 def _warn_fallback(error: Exception) -> None:
@@ -257,7 +266,7 @@ def _warn_fallback(error: Exception) -> None:
   )
 
 
-def _traced(*trees) -> bool:
+def _traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
@@ -270,7 +279,7 @@ def _eval(jaxpr, consts, args, finite, select_at):
   Calls (`jit`) are inlined, so that selections made inside them are seen by
   the rest of the computation; other primitives are bound as they are.
   """
-  env = {}
+  env: dict[Any, Any] = {}
 
   def read(v):
     if isinstance(v, jex_core.Literal):
@@ -355,7 +364,9 @@ def _inlinable_jaxpr(eqn):
   return sub
 
 
-def _source_of(eqn, inlined: bool = False):
+def _source_of(
+  eqn: Any, inlined: bool = False
+) -> contextlib.AbstractContextManager[Any]:
   """Re-binds under the equation's traceback and name stack (and, for an
   inlined call, its name), so that profiles and HLO metadata keep them."""
   if _source_info is None:

@@ -27,7 +27,7 @@ class LossScaleState(NamedTuple):
   """
 
   loss_scale: jax.Array
-  counter: jax.Array
+  counter: jax.Array | None
   notfinite_count: jax.Array
   total_notfinite: jax.Array
   last_finite: jax.Array

@@ -1,6 +1,7 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import optax
 from jax import lax
 
 from optax_lossscale import _config, _finite, _rule, _skip
+from optax_lossscale._config import AxisName, LossScaleConfig
 from optax_lossscale._state import LossScaleState, init_loss_scale_state
 
 
@@ -21,7 +23,7 @@ def unscale_and_check(
   min_scale: float = 1.0,
   max_scale: float | None = None,
   hysteresis: int = 1,
-  axis_name=None,
+  axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Unscales gradients, checks that they are finite, and adjusts the scale.
 
@@ -89,7 +91,7 @@ def unscale_and_check(
 
 
 def _unscale_and_check_from_config(
-  config,
+  config: LossScaleConfig,
 ) -> optax.GradientTransformationExtraArgs:
   def init_fn(params):
     del params
@@ -105,7 +107,12 @@ def _unscale_and_check_from_config(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def unscale_check_adjust(updates, state: LossScaleState, config, params=None):
+def unscale_check_adjust(
+  updates: Any,
+  state: LossScaleState,
+  config: LossScaleConfig,
+  params: Any = None,
+) -> tuple[Any, jax.Array, LossScaleState]:
   """Returns (unscaled updates, finite flag, next loss-scale state)."""
   check_scalar_state(state)
   scale = state.loss_scale
@@ -125,7 +132,7 @@ def unscale_check_adjust(updates, state: LossScaleState, config, params=None):
   return unscaled, finite, _rule.next_state(state, finite, config)
 
 
-def unscale(updates, loss_scale: jax.Array, params=None):
+def unscale(updates: Any, loss_scale: jax.Array, params: Any = None) -> Any:
   """Each leaf over the scale, in the wider of its own and its param's dtype.
 
   Unscaling a float16 gradient back into float16 would flush to zero exactly
@@ -143,7 +150,9 @@ def unscale(updates, loss_scale: jax.Array, params=None):
   )
 
 
-def _scale_for(loss_scale: jax.Array, out_dtype):
+def _scale_for(
+  loss_scale: jax.Array, out_dtype: Any
+) -> tuple[Any, jax.Array, jax.Array]:
   """`(compute_dtype, quarter, reciprocal)` for a leaf unscaled into
   `out_dtype`: `g / scale` is computed as `(g * quarter) * reciprocal` in
   `compute_dtype` (the wider of `out_dtype` and the scale's), with
@@ -162,7 +171,7 @@ def _scale_for(loss_scale: jax.Array, out_dtype):
   return compute_dtype, quarter, reciprocal
 
 
-def _is_none(x) -> bool:
+def _is_none(x: Any) -> bool:
   return x is None
 
 

@@ -39,3 +39,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.path.name == "test_study.py":
       item.add_marker(slow_float16_dot)
+
+
+def pytest_terminal_summary(terminalreporter):
+  # The fault-injection totals that each configuration's test in
+  # tests/test_faults.py records (and asserts on) for itself.
+  lines = [
+    f"{report.nodeid}: " + ", ".join(f"{k}={v}" for k, v in value.items())
+    for reports in terminalreporter.stats.values()
+    for report in reports
+    if getattr(report, "when", None) == "call"
+    for name, value in getattr(report, "user_properties", ())
+    if name == "fault_totals"
+  ]
+  if lines:
+    terminalreporter.write_sep("-", "fault injection totals")
+    for line in lines:
+      terminalreporter.write_line(line)

@@ -67,9 +67,20 @@ def test_jitted_step_does_not_retrace():
 
 
 def test_unknown_extra_args_are_ignored():
-  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
-  state = tx.init(PARAMS)
-  tx.update(PARAMS, state, PARAMS, some_unknown_arg=1.0)
+  """Accepted by both transformations and without effect: the step equals
+  the step without them, bit for bit, on a finite and a skipped step."""
+  inf_grads = jax.tree.map(lambda p: p.at[0].set(jnp.inf), PARAMS)
+  for tx in (
+    ols.loss_scale_optimizer(optax.adam(1e-3)),
+    optax.chain(ols.unscale_and_check(), optax.adam(1e-3)),
+  ):
+    state = tx.init(PARAMS)
+    for grads in (PARAMS, inf_grads):
+      with_extra = tx.update(grads, state, PARAMS, some_unknown_arg=1.0)
+      without = tx.update(grads, state, PARAMS)
+      chex.assert_trees_all_equal(with_extra, without, strict=True)
+      jitted = jax.jit(tx.update)(grads, state, PARAMS, some_unknown_arg=1.0)
+      chex.assert_trees_all_equal(jitted, without, strict=True)
 
 
 F32_PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
@@ -113,14 +124,67 @@ def test_updates_keep_their_dtype():
   chex.assert_trees_all_equal_dtypes(updates, PARAMS)
 
 
+def _update_sum(updates):
+  return float(
+    sum(jnp.sum(u.astype(jnp.float32)) for u in jax.tree.leaves(updates))
+  )
+
+
 def test_inside_inject_hyperparams_and_multisteps():
-  # (inject_hyperparams itself cannot mix float16 and bfloat16 params.)
-  tx = ols.loss_scale_optimizer(optax.inject_hyperparams(optax.adam)(1e-3))
+  """Wrapped around either, the loss scaling works as around any optimizer:
+  the scale is found and moves, a non-finite step is skipped with the inner
+  state kept bit for bit, and the wrapped optimizer still does its job."""
+  size = sum(p.size for p in jax.tree.leaves(F32_PARAMS))
+  ones = jax.tree.map(jnp.ones_like, F32_PARAMS)
+  infs = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), F32_PARAMS)
+
+  # inject_hyperparams (which cannot mix float16 and bfloat16 params).
+  tx = ols.loss_scale_optimizer(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), initial_scale=4.0
+  )
+  update = jax.jit(tx.update)
   state = tx.init(F32_PARAMS)
-  tx.update(F32_PARAMS, state, F32_PARAMS)
-  tx = ols.loss_scale_optimizer(optax.MultiSteps(optax.adam(1e-3), 2))
+  assert float(ols.loss_scale(state)) == 4.0
+  scaled = jax.tree.map(lambda g: 4.0 * g, ones)
+  updates, state = update(scaled, state, F32_PARAMS)
+  assert _update_sum(updates) == -0.5 * size  # unscaled, then sgd at 0.5
+  assert int(state.inner_state.count) == 1
+  skipped_updates, skipped = update(infs, state, F32_PARAMS)
+  assert _update_sum(skipped_updates) == 0.0
+  chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
+  assert float(ols.loss_scale(skipped)) == 2.0  # halved exactly
+  assert int(ols.skip_stats(skipped).total_skipped) == 1
+  # The learning rate is still set through the wrapped state, and used.
+  state = optax.tree.set(skipped, learning_rate=jnp.float32(0.125))
+  scaled = jax.tree.map(lambda g: 2.0 * g, ones)
+  updates, state = update(scaled, state, F32_PARAMS)
+  assert _update_sum(updates) == -0.125 * size
+  assert int(state.inner_state.count) == 2  # the skip did not count
+
+  # MultiSteps: k = 2 micro-batches accumulated, one update emitted.
+  tx = ols.loss_scale_optimizer(
+    optax.MultiSteps(optax.sgd(1.0), 2), initial_scale=8.0
+  )
+  update = jax.jit(tx.update)
   state = tx.init(PARAMS)
-  tx.update(PARAMS, state, PARAMS)
+
+  def micro(value, scale):
+    return jax.tree.map(lambda p: jnp.full_like(p, value * scale), PARAMS)
+
+  updates, state = update(micro(1.0, 8.0), state, PARAMS)
+  assert _update_sum(updates) == 0.0 and int(state.inner_state.mini_step) == 1
+  # A non-finite micro-batch is skipped: nothing accumulated, scale halved.
+  nan = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), PARAMS)
+  updates, skipped = update(nan, state, PARAMS)
+  assert _update_sum(updates) == 0.0
+  chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
+  assert float(ols.loss_scale(skipped)) == 4.0
+  # The second finite micro-batch emits the mean of the two, once.
+  updates, state = update(micro(3.0, 4.0), skipped, PARAMS)
+  expected = jax.tree.map(lambda p: jnp.full_like(p, -2.0), PARAMS)
+  chex.assert_trees_all_equal(updates, expected, strict=True)
+  assert int(state.inner_state.gradient_step) == 1
+  assert int(state.inner_state.mini_step) == 0
 
 
 def test_empty_subtrees_masked_nodes_and_none():

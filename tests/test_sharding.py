@@ -7,9 +7,9 @@ finite step, the skip on a non-finite one, and the compiled programs'
 collectives and temporaries (counted by kind, never pinned as text).
 """
 
-import re
 import warnings
 
+import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -80,17 +80,18 @@ def step_fn(tx):
 
 
 def collectives(compiled):
-  """Collective ops by kind in the compiled module, and the result types of
-  its all-reduces."""
-  text = compiled.as_text()
-  counts = {
-    kind: len(re.findall(rf"\b{kind}(?:-start)?\(", text))
-    for kind in (*GATHERING, "all-reduce")
-  }
-  all_reduce_types = re.findall(
-    r"= (\S+?)(?:\{[^}]*\})? all-reduce(?:-start)?\(", text
-  )
-  return counts, all_reduce_types
+  """Collective ops by kind in the compiled module, and the arrays that its
+  all-reduces reduce."""
+  counts = _hlo.hlo_opcodes(compiled)
+  all_reduced = [
+    array
+    for instruction in _hlo.hlo_instructions(compiled)
+    if instruction.opcode in ("all-reduce", "all-reduce-start")
+    for array in instruction.arrays
+  ]
+  return {
+    kind: counts[kind] for kind in (*GATHERING, "all-reduce")
+  }, all_reduced
 
 
 def shardings(tree):
@@ -157,10 +158,10 @@ def test_like_plain_optax_on_the_mesh(layout, axis_type, inner):
   )
   for kind in GATHERING:
     assert counts[kind] <= plain_counts[kind], (kind, counts)
-  assert counts["all-reduce"] <= plain_counts["all-reduce"] + most_all_reduces(
-    layout, axis_type
-  )
-  assert all(t.endswith("[]") for t in reduced), reduced
+  # The verdict is reduced across devices, in a few scalar all-reduces.
+  added = counts["all-reduce"] - plain_counts["all-reduce"]
+  assert 1 <= added <= most_all_reduces(layout, axis_type), counts
+  assert all(dims == () for _, dims in reduced), reduced  # scalars only
 
 
 def most_all_reduces(layout, axis_type):
@@ -250,7 +251,7 @@ def test_the_accelerator_form_of_the_check_adds_no_gathering(
     )
     for kind in GATHERING:
       assert counts[kind] <= plain_counts[kind], (layout, kind, counts)
-    assert all(t.endswith("[]") for t in reduced), reduced
+    assert all(dims == () for _, dims in reduced), reduced  # scalars only
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
