@@ -1,0 +1,157 @@
+"""What the form of the unscale costs: the step with each way of dividing.
+
+`unscale_and_check` divides each gradient by the scale as a product,
+`(g * quarter) * (1 / (scale * quarter))`, with `quarter` 1/4 above 2**126
+(where `1 / scale` is subnormal and flushes to zero) and 1 otherwise. This
+script builds the same `loss_scale_optimizer(adam)` step three ways and
+runs them side by side with the plain adam step, in interleaved rounds
+(jit, donated params and state, warm-up excluded, medians):
+
+- `product`: the package as it is;
+- `quotient`: `g / scale`, the exact division;
+- `one_multiply`: `g * (1 / scale)`, wrong above 2**126, shown only for
+  what the second multiply costs.
+
+`temp MB` is `compiled.memory_analysis().temp_size_in_bytes`: a quotient
+that XLA does not fuse into its consumers shows up there.
+
+  python benchmarks/unscale_forms.py
+  python benchmarks/unscale_forms.py --tiny
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+import optax_lossscale as ols
+from optax_lossscale import _unscale
+
+FORMS = ("plain", "product", "quotient", "one_multiply")
+
+
+def _scale_itself(loss_scale, out_dtype):
+  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
+  return compute_dtype, None, loss_scale.astype(compute_dtype)
+
+
+def _reciprocal_only(loss_scale, out_dtype):
+  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
+  return compute_dtype, None, 1 / loss_scale.astype(compute_dtype)
+
+
+def _leaf_with(op: Callable) -> Callable:
+  def unscale_leaf(g, out_dtype, scale_for):
+    if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
+      return g
+    compute_dtype, _, factor = scale_for(out_dtype)
+    g = lax.convert_element_type(g, compute_dtype)
+    return lax.convert_element_type(op(g, factor), out_dtype)
+
+  return unscale_leaf
+
+
+_REPLACEMENTS = {
+  "quotient": (_scale_itself, _leaf_with(lax.div)),
+  "one_multiply": (_reciprocal_only, _leaf_with(lax.mul)),
+}
+
+
+@contextlib.contextmanager
+def _unscaled_as(form: str) -> Iterator[None]:
+  """Traces the package with another unscale while inside (tracing only:
+  the compiled step keeps what it was traced with)."""
+  if form not in _REPLACEMENTS:
+    yield
+    return
+  saved = _unscale._scale_for, _unscale._unscale_leaf
+  _unscale._scale_for, _unscale._unscale_leaf = _REPLACEMENTS[form]
+  try:
+    yield
+  finally:
+    _unscale._scale_for, _unscale._unscale_leaf = saved
+
+
+def _compiled_step(form, params, grads):
+  inner = optax.adam(1e-3)
+  tx = inner if form == "plain" else ols.loss_scale_optimizer(inner)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  with _unscaled_as(form):
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    compiled = jitted.lower(params, state, grads).compile()
+  return compiled, state
+
+
+def run_config(n_params, n_leaves, grad_dtype, rounds, out=print):
+  """Times every form on one configuration; returns {form: result}."""
+  sizes = [n_params // n_leaves] * n_leaves
+  grads = [jnp.full((s,), 0.5, grad_dtype) for s in sizes]
+  compiled, carried, results = {}, {}, {}
+  for form in FORMS:
+    params = [jnp.full((s,), 0.01, jnp.float32) for s in sizes]
+    compiled[form], state = _compiled_step(form, params, grads)
+    carried[form] = jax.block_until_ready(compiled[form](params, state, grads))
+    memory = compiled[form].memory_analysis()
+    results[form] = dict(temp_bytes=memory.temp_size_in_bytes, times=[])
+  for _ in range(rounds):
+    for form in FORMS:
+      params, state = carried[form]
+      start = time.perf_counter()
+      carried[form] = jax.block_until_ready(
+        compiled[form](params, state, grads)
+      )
+      results[form]["times"].append(time.perf_counter() - start)
+  plain = statistics.median(results["plain"]["times"])
+  for form in FORMS:
+    r = results[form]
+    r["median_s"] = statistics.median(r["times"])
+    r["ratio"] = r["median_s"] / plain
+    out(
+      f"{n_params:>10} {n_leaves:>6} {jnp.dtype(grad_dtype).name:>7}"
+      f" {form:<13} {r['median_s'] * 1e3:8.2f} {r['ratio']:6.2f}"
+      f" {r['temp_bytes'] / 2**20:8.1f}"
+    )
+  return results
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true", help="seconds, smoke")
+  parser.add_argument("--rounds", type=int, default=40)
+  args = parser.parse_args(argv)
+  if args.tiny:
+    configs, rounds = [(4096, 4, jnp.float16)], 3
+  else:
+    configs = [
+      (10**7, 50, jnp.float32),
+      (10**7, 50, jnp.float16),
+      (10**6, 10, jnp.float32),
+    ]
+    rounds = args.rounds
+  print(
+    f"device: {jax.devices()[0].device_kind}, jax {jax.__version__};"
+    f" adam, median of {rounds} interleaved rounds, ratio to plain adam"
+  )
+  print(
+    f"{'params':>10} {'leaves':>6} {'grads':>7} {'form':<13} {'ms':>8}"
+    f" {'ratio':>6} {'temp MB':>8}"
+  )
+  return {
+    (n, leaves, jnp.dtype(dtype).name): run_config(n, leaves, dtype, rounds)
+    for n, leaves, dtype in configs
+  }
+
+
+if __name__ == "__main__":
+  main()
