@@ -215,12 +215,18 @@ def test_sharded_small_shards_no_gradient_sized_temporary():
   _assert_no_gradient_sized_temporary(results)
 
 
-def test_unscale_forms_tiny(capsys):
-  results = _load("unscale_forms").main(["--tiny"])
+def test_alternatives_tiny(capsys):
+  results = _load("alternatives").main(["--tiny"])
   out = capsys.readouterr().out
   assert "temp MB" in out
   (forms,) = results.values()
-  assert set(forms) == {"plain", "product", "quotient", "one_multiply"}
+  assert set(forms) == {
+    "plain",
+    "package",
+    "quotient",
+    "one_multiply",
+    "flag_read",
+  }
   for r in forms.values():
     assert r["median_s"] > 0 and math.isfinite(r["ratio"])
     assert r["temp_bytes"] >= 0

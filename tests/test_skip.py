@@ -6,6 +6,8 @@ select's results and check, in the compiled HLO, that the optimizer state is
 updated in place rather than copied.
 """
 
+import re
+
 import _hlo
 import chex
 import jax
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import export
 
 import optax_lossscale as ols
 from optax_lossscale import _skip
@@ -242,6 +245,35 @@ def test_every_output_is_written_into_a_donated_buffer(make_tx):
   outputs = jax.tree.leaves(step(params, state, grads))
   fresh = [x.shape for x in outputs if x.unsafe_buffer_pointer() not in donated]
   assert fresh == []
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+def test_accelerators_read_the_old_last_finite_flag(platform):
+  # On an accelerator the flag is computed from its old value, so that the
+  # donated buffer is an input of the program there too (on CPU the read is
+  # left out: it slowed the step, and the buffer is reused without it).
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  params = [jnp.ones(256), jnp.ones(256)]
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  args = (params, tx.init(params), params)
+  paths = [
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]
+  ]
+  (flag,) = [i for i, p in enumerate(paths) if p.endswith("last_finite")]
+  step = jax.jit(step, donate_argnums=(0, 1))
+  reads = {}
+  for target in (platform, "cpu"):
+    module = export.export(step, platforms=[target])(*args).mlir_module()
+    body = module[module.index("func.func public @main") :]
+    body = body[body.index("{\n") :]  # after the signature
+    reads[target] = len(re.findall(rf"%arg{flag}\b", body))
+  assert reads[platform] >= 1
+  assert reads["cpu"] == 0
 
 
 def test_a_weakly_typed_inner_state_leaf_stays_weak():

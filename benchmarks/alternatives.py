@@ -1,22 +1,25 @@
-"""What the form of the unscale costs: the step with each way of dividing.
+"""The package's step against alternative forms of two of its parts.
 
-`unscale_and_check` divides each gradient by the scale as a product,
-`(g * quarter) * (1 / (scale * quarter))`, with `quarter` 1/4 above 2**126
-(where `1 / scale` is subnormal and flushes to zero) and 1 otherwise. This
-script builds the same `loss_scale_optimizer(adam)` step three ways and
-runs them side by side with the plain adam step, in interleaved rounds
-(jit, donated params and state, warm-up excluded, medians):
+Two choices in the compiled step are measured here, each against what it
+replaced, side by side with the plain adam step in interleaved rounds (jit,
+donated params and state, warm-up excluded, medians):
 
-- `product`: the package as it is;
-- `quotient`: `g / scale`, the exact division;
-- `one_multiply`: `g * (1 / scale)`, wrong above 2**126, shown only for
-  what the second multiply costs.
+- the unscale: `unscale_and_check` divides each gradient by the scale as a
+  product, `(g * quarter) * (1 / (scale * quarter))`, with `quarter` 1/4
+  above 2**126 (where `1 / scale` is subnormal and flushes to zero) and 1
+  otherwise. `quotient` is `g / scale`, the exact division; `one_multiply`
+  is `g * (1 / scale)`, wrong above 2**126, shown only for what the second
+  multiply costs;
+- the `last_finite` flag: on accelerators it is computed from its old value
+  so that its donated buffer stays an input of the program (see `_rule`);
+  on CPU it is not. `flag_read` reads it on CPU too.
 
-`temp MB` is `compiled.memory_analysis().temp_size_in_bytes`: a quotient
-that XLA does not fuse into its consumers shows up there.
+`package` is the package as it is. `temp MB` is
+`compiled.memory_analysis().temp_size_in_bytes`: a quotient that XLA does
+not fuse into its consumers shows up there.
 
-  python benchmarks/unscale_forms.py
-  python benchmarks/unscale_forms.py --tiny
+  python benchmarks/alternatives.py
+  python benchmarks/alternatives.py --tiny
 """
 
 import argparse
@@ -31,9 +34,9 @@ import optax
 from jax import lax
 
 import optax_lossscale as ols
-from optax_lossscale import _unscale
+from optax_lossscale import _rule, _unscale
 
-FORMS = ("plain", "product", "quotient", "one_multiply")
+FORMS = ("plain", "package", "quotient", "one_multiply", "flag_read")
 
 
 def _scale_itself(loss_scale, out_dtype):
@@ -64,18 +67,32 @@ _REPLACEMENTS = {
 
 
 @contextlib.contextmanager
-def _unscaled_as(form: str) -> Iterator[None]:
-  """Traces the package with another unscale while inside (tracing only:
-  the compiled step keeps what it was traced with)."""
-  if form not in _REPLACEMENTS:
+def _traced_as(form: str) -> Iterator[None]:
+  """Traces the package with another form of one part while inside
+  (tracing only: a compiled step keeps what it was traced with)."""
+  if form in _REPLACEMENTS:
+    module, names, replacements = (
+      _unscale,
+      ("_scale_for", "_unscale_leaf"),
+      _REPLACEMENTS[form],
+    )
+  elif form == "flag_read":
+    module, names, replacements = (
+      _rule,
+      ("_reading",),
+      (_rule._finite_reading_old,),
+    )
+  else:
     yield
     return
-  saved = _unscale._scale_for, _unscale._unscale_leaf
-  _unscale._scale_for, _unscale._unscale_leaf = _REPLACEMENTS[form]
+  saved = [getattr(module, name) for name in names]
+  for name, replacement in zip(names, replacements, strict=True):
+    setattr(module, name, replacement)
   try:
     yield
   finally:
-    _unscale._scale_for, _unscale._unscale_leaf = saved
+    for name, original in zip(names, saved, strict=True):
+      setattr(module, name, original)
 
 
 def _compiled_step(form, params, grads):
@@ -87,7 +104,7 @@ def _compiled_step(form, params, grads):
     return optax.apply_updates(params, updates), state
 
   state = tx.init(params)
-  with _unscaled_as(form):
+  with _traced_as(form):
     jitted = jax.jit(step, donate_argnums=(0, 1))
     compiled = jitted.lower(params, state, grads).compile()
   return compiled, state
