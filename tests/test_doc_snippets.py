@@ -144,9 +144,7 @@ def test_page_runs(path):
   skip, reason = SKIPS.get(_page_id(path), (False, ""))
   if skip:
     pytest.skip(reason)
-  namespace = run_page(path)
-  for check in CHECKS.get(_page_id(path), []):
-    check(namespace)
+  run_page(path)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=_page_id)
@@ -163,24 +161,3 @@ def test_py_blocks_are_other_libraries(path):
     assert block.language.lower() not in {"python3", "py3", "ipython"}, _where(
       _page_id(path), index, block
     )
-
-
-# --- Checks of a page's results, after it ran ---
-# Tolerant of rewrites: each applies only where the page defines the names
-# it reads. Facts are better asserted in the page's own blocks; these stay
-# until the pages assert them.
-
-
-def _readme_checks(ns: dict) -> None:
-  ols, jax = ns.get("ols"), ns.get("jax")
-  if ols is None or jax is None:
-    return
-  if "losses" in ns and "states" in ns:  # the vmap ensemble: one per member
-    assert ns["losses"].shape == (3,), ns["losses"].shape
-    assert ols.loss_scale(ns["states"]).shape == (3,)
-  if "replicated_state" in ns:  # pmap: one scale per device
-    n = jax.local_device_count()
-    assert ols.loss_scale(ns["replicated_state"]).shape == (n,)
-
-
-CHECKS = {"README.md": [_readme_checks]}
