@@ -1,8 +1,9 @@
 """The package's step against alternative forms of two of its parts.
 
 Two choices in the compiled step are measured here, each against what it
-replaced, side by side with the plain adam step in interleaved rounds (jit,
-donated params and state, warm-up excluded, medians):
+replaced, side by side with the plain adam step, by `overhead.py`'s
+`run_config` (jit, donated params and state, interleaved rounds, warm-up
+excluded, medians):
 
 - the unscale: `unscale_and_check` divides each gradient by the scale as a
   product, `(g * quarter) * (1 / (scale * quarter))`, with `quarter` 1/4
@@ -14,7 +15,7 @@ donated params and state, warm-up excluded, medians):
   so that its donated buffer stays an input of the program (see `_rule`);
   on CPU it is not. `flag_read` reads it on CPU too.
 
-`package` is the package as it is. `temp MB` is
+`package` is the package as it is (`overhead.py`'s `ours`). `temp MB` is
 `compiled.memory_analysis().temp_size_in_bytes`: a quotient that XLA does
 not fuse into its consumers shows up there.
 
@@ -24,17 +25,18 @@ not fuse into its consumers shows up there.
 
 import argparse
 import contextlib
-import statistics
-import time
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
-import optax_lossscale as ols
 from optax_lossscale import _rule, _unscale
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overhead
 
 FORMS = ("plain", "package", "quotient", "one_multiply", "flag_read")
 
@@ -95,49 +97,38 @@ def _traced_as(form: str) -> Iterator[None]:
       setattr(module, name, original)
 
 
-def _compiled_step(form, params, grads):
-  inner = optax.adam(1e-3)
-  tx = inner if form == "plain" else ols.loss_scale_optimizer(inner)
+def _make_variant(form: str, inner):
+  """`(init, step)` for `overhead.run_config`: the plain optax step, or the
+  package's step traced with `form` in place of its own parts."""
+  if form == "plain":
+    return overhead._make_variant("plain", inner)
+  init, step = overhead._make_variant("ours", inner)
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+  def traced_as_form(params, state, grads):
+    with _traced_as(form):
+      return step(params, state, grads)
 
-  state = tx.init(params)
-  with _traced_as(form):
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    compiled = jitted.lower(params, state, grads).compile()
-  return compiled, state
+  return init, traced_as_form
 
 
 def run_config(n_params, n_leaves, grad_dtype, rounds, out=print):
   """Times every form on one configuration; returns {form: result}."""
-  sizes = [n_params // n_leaves] * n_leaves
-  grads = [jnp.full((s,), 0.5, grad_dtype) for s in sizes]
-  compiled, carried, results = {}, {}, {}
-  for form in FORMS:
-    params = [jnp.full((s,), 0.01, jnp.float32) for s in sizes]
-    compiled[form], state = _compiled_step(form, params, grads)
-    carried[form] = jax.block_until_ready(compiled[form](params, state, grads))
-    memory = compiled[form].memory_analysis()
-    results[form] = dict(temp_bytes=memory.temp_size_in_bytes, times=[])
-  for _ in range(rounds):
-    for form in FORMS:
-      params, state = carried[form]
-      start = time.perf_counter()
-      carried[form] = jax.block_until_ready(
-        compiled[form](params, state, grads)
-      )
-      results[form]["times"].append(time.perf_counter() - start)
-  plain = statistics.median(results["plain"]["times"])
+  results = overhead.run_config(
+    n_params,
+    n_leaves,
+    "adam",
+    grad_dtype,
+    list(FORMS),
+    rounds,
+    compile_repeats=1,
+    make_variant=_make_variant,
+  )
   for form in FORMS:
     r = results[form]
-    r["median_s"] = statistics.median(r["times"])
-    r["ratio"] = r["median_s"] / plain
     out(
       f"{n_params:>10} {n_leaves:>6} {jnp.dtype(grad_dtype).name:>7}"
       f" {form:<13} {r['median_s'] * 1e3:8.2f} {r['ratio']:6.2f}"
-      f" {r['temp_bytes'] / 2**20:8.1f}"
+      f" {r['temp_bytes'] / 1e6:8.1f}"
     )
   return results
 

@@ -217,14 +217,20 @@ def run_config(
   out=print,
   chained=0,
   compile_repeats=3,
+  make_variant=None,
 ):
-  """Benchmarks one configuration; returns {variant: result dict}."""
+  """Benchmarks one configuration; returns {variant: result dict}.
+
+  `make_variant(name, inner) -> (init, step)` builds the variants (default:
+  this script's); `benchmarks/alternatives.py` passes its own.
+  """
+  make_variant = make_variant or _make_variant
   inner = _inner(opt)
   sizes = _leaf_sizes(n_params, n_leaves)
   grads = [jnp.full((s,), 0.5, grad_dtype) for s in sizes]
   compiled, states, results = {}, {}, {}
   for name in list(variants):
-    init, step = _make_variant(name, inner)
+    init, step = make_variant(name, inner)
     params = _make_params(sizes)
     state = init(params)
     try:
