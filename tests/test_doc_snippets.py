@@ -53,10 +53,6 @@ SKIPS = {
 }
 
 
-def _page_param(path: pathlib.Path):
-  return pytest.param(path, id=_page_id(path))
-
-
 class Block:
   def __init__(self, language: str, text: str, line: int):
     self.language = language
@@ -139,7 +135,7 @@ def run_page(path: pathlib.Path) -> dict:
   return namespace
 
 
-@pytest.mark.parametrize("path", [_page_param(p) for p in PAGES])
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
 def test_page_runs(path):
   skip, reason = SKIPS.get(_page_id(path), (False, ""))
   if skip:
