@@ -8,14 +8,14 @@ from optax_lossscale._finite import all_finite as all_finite
 from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._keras import from_keras_config as from_keras_config
 from optax_lossscale._keras import to_keras_config as to_keras_config
-from optax_lossscale._lookup import dynamic_counter as dynamic_counter
-from optax_lossscale._lookup import loss_scale as loss_scale
-from optax_lossscale._lookup import scale_loss as scale_loss
-from optax_lossscale._lookup import set_loss_scale as set_loss_scale
-from optax_lossscale._lookup import skip_stats as skip_stats
 from optax_lossscale._optimizer import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
+from optax_lossscale._readouts import dynamic_counter as dynamic_counter
+from optax_lossscale._readouts import loss_scale as loss_scale
+from optax_lossscale._readouts import skip_stats as skip_stats
+from optax_lossscale._scale import scale_loss as scale_loss
+from optax_lossscale._setter import set_loss_scale as set_loss_scale
 from optax_lossscale._state import (
   LossScaleOptimizerState as LossScaleOptimizerState,
 )

@@ -1,6 +1,6 @@
 """One boolean for a whole gradient tree."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _config, _placement
+from optax_lossscale import _compat, _config, _placement
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -111,7 +111,8 @@ def _all_finite_on_mesh(mesh: Any, leaves: list[jax.Array]) -> jax.Array:
       return finite
     return lax.pmin(finite.astype(jnp.int32), axes).astype(jnp.bool_)
 
-  return _shard_map(check_shards, mesh, specs)(*leaves)
+  out_spec = jax.sharding.PartitionSpec()
+  return _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
 
 
 def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
@@ -127,15 +128,6 @@ def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(x))
   zeros = lax.sub(x, x)
   return lax.is_finite(lax.reduce_sum(zeros, tuple(range(x.ndim))))
-
-
-def _shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any) -> Any:
-  out_spec = jax.sharding.PartitionSpec()
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
-  from jax.experimental.shard_map import shard_map  # older jax
-
-  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
 
 
 def _on_cpu(*leaves: jax.Array) -> jax.Array:

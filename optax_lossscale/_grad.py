@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-from optax_lossscale._lookup import _check_loss, _scaled, find_loss_scale_state
+from optax_lossscale._locate import find_loss_scale_state
+from optax_lossscale._scale import checked_loss, scaled
 
 
 def value_and_grad(
@@ -95,15 +96,17 @@ def value_and_grad(
   if not (isinstance(argnums, int) and argnums == 0):
     options["argnums"] = argnums
 
-  def scaled_value_and_grad(opt_state, /, *args, **kwargs):
+  def scaled_value_and_grad(
+    opt_state: Any, /, *args: Any, **kwargs: Any
+  ) -> tuple[Any, Any]:
     # Read outside the differentiated function: inside a framework's
     # transformation only the array is closed over, never its state objects.
     scale = find_loss_scale_state(opt_state).loss_scale
 
-    def scaled_fun(*args, **kwargs):
+    def scaled_fun(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
       out = fun(*args, **kwargs)
       loss = out[0] if has_aux else out
-      return _scaled(_check_loss(loss), scale), out
+      return scaled(checked_loss(loss), scale), out
 
     (_, out), grads = grad_fn(scaled_fun, **options)(*args, **kwargs)
     return out, grads

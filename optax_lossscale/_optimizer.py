@@ -20,17 +20,34 @@ Inner: TypeAlias = optax.GradientTransformation | optax.MultiSteps
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
-  """What :func:`loss_scale_optimizer` returns: an optax transformation that
-  also carries its validated configuration (``loss_scale_config``).
+  """What :func:`loss_scale_optimizer` returns: an optax transformation (a
+  pair of ``init`` and ``update``, as optax's own) that also carries its
+  validated configuration, ``loss_scale_config``.
 
-  The configuration is read from the ``update`` function it describes, so it
-  survives ``tx._replace(init=...)``, copies and pickling of the tuple, and
-  is gone only when ``update`` itself is replaced.
+  The configuration belongs to the pair: it survives copies, pickling and
+  ``tx._replace(init=...)``, and is gone when ``update`` is replaced, since
+  it describes that ``update``.
   """
+
+  _validated: _config.LossScaleConfig | None
+
+  @classmethod
+  def of(
+    cls,
+    init: optax.TransformInitFn,
+    update: optax.TransformUpdateExtraArgsFn,
+    config: _config.LossScaleConfig,
+  ) -> "LossScaledTransformation":
+    """The pair `(init, update)`, carrying `config`."""
+    tx = cls(init, update)
+    tx._validated = config
+    return tx
 
   @property
   def loss_scale_config(self) -> _config.LossScaleConfig:
-    config = getattr(self.update, "loss_scale_config", None)
+    """The validated configuration: ``dynamic``, ``initial_scale``,
+    ``growth_steps``, the factors and bounds, ``hysteresis``, ...."""
+    config = self.__dict__.get("_validated")
     if config is None:
       raise AttributeError(
         "This transformation's `update` is not the one"
@@ -38,6 +55,12 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
         " `loss_scale_config`."
       )
     return config
+
+  def _replace(self, **fields: Any) -> "LossScaledTransformation":
+    replaced = super()._replace(**fields)
+    if "update" not in fields:
+      replaced._validated = self.__dict__.get("_validated")
+    return replaced
 
 
 def _forwards_extra_args(update: Callable[..., Any]) -> bool:
@@ -203,7 +226,7 @@ def loss_scale_optimizer(
 def _loss_scale_optimizer_from_config(
   inner: optax.GradientTransformationExtraArgs, config: _config.LossScaleConfig
 ) -> LossScaledTransformation:
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
@@ -213,7 +236,12 @@ def _loss_scale_optimizer_from_config(
       inner_state=inner_state,
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(
+    updates: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     _check_state_type(state)
     unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
       updates, state.loss_scale_state, config, params
@@ -231,9 +259,7 @@ def _loss_scale_optimizer_from_config(
       loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
-  # Read back by `LossScaledTransformation.loss_scale_config`.
-  update_fn.loss_scale_config = config  # type: ignore[attr-defined]
-  return LossScaledTransformation(init_fn, update_fn)
+  return LossScaledTransformation.of(init_fn, update_fn, config)
 
 
 def _check_state_type(state: Any) -> None:

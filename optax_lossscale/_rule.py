@@ -7,7 +7,6 @@ reduce to it at their defaults (hysteresis=1, max_scale=float32 max).
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._state import COUNTER_DTYPE, SCALE_DTYPE, LossScaleState
@@ -28,6 +27,7 @@ def next_state(
     state.total_notfinite,
     optax.safe_increment(state.total_notfinite),
   )
+  counter: jax.Array | None
   if config.dynamic:
     loss_scale, counter = _dynamic_scale_and_counter(
       state, finite, notfinite_count, config
@@ -39,37 +39,17 @@ def next_state(
     counter=counter,
     notfinite_count=notfinite_count,
     total_notfinite=total_notfinite,
-    last_finite=_reading(state.last_finite, finite),
+    last_finite=finite,
   )
 
 
-def _reading(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
-  """`finite`, computed so that it reads `old_flag` where that matters.
-
-  `jit` drops an input that the step never reads, and a donated state leaf
-  that is dropped cannot lend its buffer to its successor: that output then
-  gets a fresh buffer every step. On GPU a fresh address makes XLA update its
-  command buffer (CUDA graph) on every call, which slowed a small step's
-  wall-clock; there the flag is computed from the old one too, which XLA
-  folds away. On CPU the read itself slowed the adam step, and the input
-  stays in the program all the same (the branch is chosen when the step is
-  compiled), so its buffer is reused either way (benchmarks/README.md).
-  """
-  return lax.platform_dependent(
-    old_flag, finite, cpu=_finite_alone, default=_finite_reading_old
-  )
-
-
-def _finite_alone(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
-  del old_flag
-  return finite
-
-
-def _finite_reading_old(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
-  return finite & (old_flag | finite)
-
-
-def _dynamic_scale_and_counter(state, finite, notfinite_count, config):
+def _dynamic_scale_and_counter(
+  state: LossScaleState,
+  finite: jax.Array,
+  notfinite_count: jax.Array,
+  config: LossScaleConfig,
+) -> tuple[jax.Array, jax.Array]:
+  assert state.counter is not None  # dynamic
   scale, counter = state.loss_scale, state.counter
   # `counter < growth_steps` always holds, so `counter + 1` cannot overflow.
   grow = finite & (counter + 1 >= config.growth_steps)

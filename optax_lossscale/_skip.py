@@ -29,9 +29,7 @@ one, a value that fills two state slots, a literal), that leaf falls back to
 the select at the end, which is always exact.
 """
 
-import contextlib
 import functools
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -39,28 +37,8 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 
-from optax_lossscale import _placement
-
-_source_info: types.ModuleType | None
-try:  # name stacks and tracebacks of re-bound equations, for profiles
-  from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - the rewrite runs without them
-  _source_info = None
-
-
-def _drop_var_type():
-  # Public in `jax.extend.core` only in newer jax.
-  for module in (jex_core, jax.core):
-    if hasattr(module, "DropVar"):
-      return module.DropVar
-  from jax._src import core as src_core  # older jax
-
-  return src_core.DropVar
-
-
-_DropVar = _drop_var_type()
+from optax_lossscale import _compat, _interpret, _placement
 
 
 def keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -93,7 +71,7 @@ def _zeros(aval: Any) -> jax.Array:
   )
 
 
-def _explicit_sharding(aval):
+def _explicit_sharding(aval: Any) -> Any:
   """The sharding in `aval` where it is an `Explicit` mesh's, else None:
   elsewhere XLA places the value."""
   sharding = getattr(aval, "sharding", None)
@@ -102,7 +80,7 @@ def _explicit_sharding(aval):
   return None
 
 
-def _select(finite, n, o):
+def _select(finite: jax.Array, n: Any, o: Any) -> Any:
   if _same_array_type(n, o):
     # What `jnp.where` computes, bound directly: a step selects every leaf
     # of its state and updates, and `jnp.where` traces a call of its own for
@@ -175,16 +153,16 @@ def update_unless(
   jaxpr = closed.jaxpr
   # Which jaxpr outputs are state leaves, and which old value each keeps.
   select_at = {}  # Var -> old leaf value, for vars selected where made
-  count: dict[jex_core.Var, int] = {}
+  count: dict[_compat.Var, int] = {}
   for slot in state_slots:
     v = jaxpr.outvars[slot]
-    if isinstance(v, jex_core.Var):
+    if isinstance(v, _compat.Var):
       count[v] = count.get(v, 0) + 1
   passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
   for slot, old in zip(state_slots, old_leaves, strict=True):
     v = jaxpr.outvars[slot]
     if (
-      isinstance(v, jex_core.Var)
+      isinstance(v, _compat.Var)
       and count[v] == 1
       and v not in passed_through
       # A state leaf's var is an array's: its `aval` (typed as the
@@ -195,7 +173,9 @@ def update_unless(
       select_at[v] = old
 
   try:
-    outs = _eval(jaxpr, closed.consts, old_leaves, finite, select_at)
+    outs = _interpret.evaluate(
+      jaxpr, closed.consts, old_leaves, _SelectWhereMade(finite, select_at)
+    )
   except Exception as e:  # pylint: disable=broad-except
     # A primitive that cannot be re-bound from its jaxpr equation (none in
     # optax is known): the plain select is always exact, but slower, so it
@@ -207,7 +187,7 @@ def update_unless(
   new_leaves = []
   for slot, old in zip(state_slots, old_leaves, strict=True):
     v = jaxpr.outvars[slot]
-    if isinstance(v, jex_core.Var) and v in select_at:
+    if isinstance(v, _compat.Var) and v in select_at:
       new_leaves.append(outs[slot])  # already selected where made
     else:
       new_leaves.append(_select(finite, outs[slot], old))
@@ -218,7 +198,11 @@ def update_unless(
   )
 
 
-def _select_after(finite, update, old_state):
+def _select_after(
+  finite: jax.Array,
+  update: Callable[[Any], tuple[Any, Any]],
+  old_state: Any,
+) -> tuple[Any, Any]:
   """The plain skip: run `update`, then select; always exact."""
   updates, new_state = update(old_state)
   new_state_def: jax.tree_util.PyTreeDef = jax.tree.structure(new_state)
@@ -270,115 +254,41 @@ def _traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
-_INLINE = ("jit", "pjit", "closed_call")
+class _SelectWhereMade:
+  """The rewrite's visitor: each var in `select_at` is replaced by the select
+  of its value (on a finite step) and its old state value (otherwise), where
+  it is made. Selections wanted on a call's outputs are pushed into the
+  call's body, so that the rest of the body reads the selected value too."""
+
+  def __init__(self, finite: jax.Array, select_at: dict[Any, Any]):
+    self._finite = finite
+    self._select_at = select_at
+    self._pushed: dict[Any, set[Any]] = {}  # call eqn -> its outvars pushed
+
+  def enter(self, eqn: Any, body: Any) -> "_SelectWhereMade":
+    inner_select = {}
+    pushed = set()
+    for outer_v, inner_v, ok in zip(
+      eqn.outvars,
+      body.jaxpr.outvars,
+      _interpret.produced_inside(body),
+      strict=True,
+    ):
+      if ok and _wanted(outer_v, self._select_at):
+        inner_select[inner_v] = self._select_at[outer_v]
+        pushed.add(outer_v)
+    self._pushed[id(eqn)] = pushed
+    return _SelectWhereMade(self._finite, inner_select)
+
+  def produced(self, eqn: Any, values: list[Any]) -> list[Any]:
+    pushed = self._pushed.pop(id(eqn), set())
+    return [
+      _select(self._finite, val, self._select_at[v])
+      if _wanted(v, self._select_at) and v not in pushed
+      else val
+      for v, val in zip(eqn.outvars, values, strict=True)
+    ]
 
 
-def _eval(jaxpr, consts, args, finite, select_at):
-  """Evaluates `jaxpr`, replacing each var in `select_at` by its selection.
-
-  Calls (`jit`) are inlined, so that selections made inside them are seen by
-  the rest of the computation; other primitives are bound as they are.
-  """
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    if isinstance(v, jex_core.Literal):
-      return v.val
-    return env[v]
-
-  def write(v, val):
-    if isinstance(v, _DropVar):
-      return
-    if v in select_at:
-      val = _select(finite, val, select_at[v])
-    env[v] = val
-
-  for v, val in zip(jaxpr.constvars, consts, strict=True):
-    write(v, val)
-  for v, val in zip(jaxpr.invars, args, strict=True):
-    write(v, val)
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    sub = _inlinable_jaxpr(eqn)
-    if sub is not None:
-      # Selections wanted on this call's outputs are pushed inside it.
-      inner_select = {}
-      passed_through = set(sub.jaxpr.invars) | set(sub.jaxpr.constvars)
-      for outer_v, inner_v in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
-        if (
-          isinstance(outer_v, jex_core.Var)
-          and outer_v in select_at
-          and isinstance(inner_v, jex_core.Var)
-          and inner_v not in passed_through
-          and sum(w is inner_v for w in sub.jaxpr.outvars) == 1
-        ):
-          inner_select[inner_v] = select_at[outer_v]
-      with _source_of(eqn, inlined=True):
-        outvals = _eval(sub.jaxpr, sub.consts, invals, finite, inner_select)
-      for outer_v, inner_v, val in zip(
-        eqn.outvars, sub.jaxpr.outvars, outvals, strict=True
-      ):
-        if isinstance(outer_v, _DropVar):
-          continue
-        if outer_v in select_at and inner_v in inner_select:
-          env[outer_v] = val  # selected inside already
-        else:
-          write(outer_v, val)
-      continue
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = []
-    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-      subfuns, bind_params = bind_params
-    with _source_of(eqn), eqn.ctx.manager:
-      outvals = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    if not eqn.primitive.multiple_results:
-      outvals = [outvals]
-    for v, val in zip(eqn.outvars, outvals, strict=True):
-      write(v, val)
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _inlinable_jaxpr(eqn):
-  """The jaxpr of a call that may be inlined, or None.
-
-  A `jit` that places its inputs or outputs (`in_shardings`,
-  `out_shardings`) or donates them is bound as it is: inlined, those would
-  be lost. Selections wanted on its outputs are then made after it, which is
-  exact.
-  """
-  if eqn.primitive.name not in _INLINE:
-    return None
-  sub = eqn.params.get("jaxpr")
-  if sub is None:
-    sub = eqn.params.get("call_jaxpr")
-  if not isinstance(sub, jex_core.ClosedJaxpr):
-    return None
-  placed = [
-    s
-    for key in ("in_shardings", "out_shardings")
-    for s in eqn.params.get(key, ())
-    if isinstance(s, jax.sharding.Sharding)
-  ]
-  if placed or any(eqn.params.get("donated_invars", ())):
-    return None
-  return sub
-
-
-def _source_of(
-  eqn: Any, inlined: bool = False
-) -> contextlib.AbstractContextManager[Any]:
-  """Re-binds under the equation's traceback and name stack (and, for an
-  inlined call, its name), so that profiles and HLO metadata keep them."""
-  if _source_info is None:
-    return contextlib.nullcontext()
-  stack = contextlib.ExitStack()
-  info = eqn.source_info
-  stack.enter_context(
-    _source_info.user_context(
-      info.traceback,
-      name_stack=_source_info.current_name_stack() + info.name_stack,
-    )
-  )
-  if inlined and eqn.params.get("name"):
-    stack.enter_context(_source_info.extend_name_stack(eqn.params["name"]))
-  return stack
+def _wanted(v: Any, select_at: dict[Any, Any]) -> bool:
+  return isinstance(v, _compat.Var) and v in select_at

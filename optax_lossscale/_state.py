@@ -70,3 +70,19 @@ def init_loss_scale_state(
     total_notfinite=jnp.zeros([], COUNTER_DTYPE),
     last_finite=jnp.ones([], jnp.bool_),
   )
+
+
+def check_scalar_state(state: LossScaleState) -> None:
+  """`update` and `scale_loss` need one scale; the read-outs take any."""
+  shape = jnp.shape(state.loss_scale)
+  if shape != ():
+    raise ValueError(
+      "The loss-scale state must hold a scalar scale, got shape"
+      f" {shape}. This happens when a state made under `jax.vmap` (an"
+      " ensemble of optimizer states) is used outside of it: call"
+      " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
+      " member of the ensemble. A state replicated for `jax.pmap` is the"
+      " same: use it inside `pmap`, or index one replica. The read-outs"
+      " (`loss_scale`, `dynamic_counter`, `skip_stats`) accept such a"
+      " state and give one value per member."
+    )

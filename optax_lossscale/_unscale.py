@@ -1,6 +1,7 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -8,9 +9,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_lossscale import _config, _finite, _rule, _skip
+from optax_lossscale import _config, _donation, _finite, _rule, _skip
 from optax_lossscale._config import AxisName, LossScaleConfig
-from optax_lossscale._state import LossScaleState, init_loss_scale_state
+from optax_lossscale._state import (
+  LossScaleState,
+  check_scalar_state,
+  init_loss_scale_state,
+)
 
 
 def unscale_and_check(
@@ -93,11 +98,16 @@ def unscale_and_check(
 def _unscale_and_check_from_config(
   config: LossScaleConfig,
 ) -> optax.GradientTransformationExtraArgs:
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> LossScaleState:
     del params
     return init_loss_scale_state(config.initial_scale, config.dynamic)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(
+    updates: optax.Updates,
+    state: LossScaleState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleState]:
     del extra_args
     unscaled, finite, new_state = unscale_check_adjust(
       updates, state, config, params
@@ -129,7 +139,9 @@ def unscale_check_adjust(
     # it to `min_scale`.
     finite = _finite.all_finite(updates) & (scale >= 1)
   finite = _finite.all_finite_across(finite, config.axis_name)
-  return unscaled, finite, _rule.next_state(state, finite, config)
+  new_state = _rule.next_state(state, finite, config)
+  last_finite = _donation.last_finite_flag(state.last_finite, finite)
+  return unscaled, finite, new_state._replace(last_finite=last_finite)
 
 
 def unscale(updates: Any, loss_scale: jax.Array, params: Any = None) -> Any:
@@ -175,14 +187,14 @@ def _is_none(x: Any) -> bool:
   return x is None
 
 
-def _unscaled_dtypes(updates, params):
+def _unscaled_dtypes(updates: Any, params: Any) -> Any:
   """The dtype each unscaled leaf gets (a tree of dtypes, None for None)."""
   if params is None:
     params = updates  # each leaf keeps its own dtype
   else:
     params = check_same_structure(updates, params)
 
-  def dtype(g, p):
+  def dtype(g: Any, p: Any) -> Any:
     if g is None:
       return None
     if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
@@ -192,14 +204,14 @@ def _unscaled_dtypes(updates, params):
   return jax.tree.map(dtype, updates, params, is_leaf=_is_none)
 
 
-def check_same_structure(updates, params):
+def check_same_structure(updates: Any, params: Any) -> Any:
   """The params whose dtypes the unscaled gradients take: `params` itself,
   or `params.fast` of an `optax.LookaheadParams` (`optax.lookahead` takes
   gradients of the fast parameters alongside both). A gradient tree that
   matches neither fails at trace time, whatever the inner transformation
   does with `params`."""
 
-  def structure(tree):
+  def structure(tree: Any) -> jax.tree_util.PyTreeDef:
     return jax.tree.structure(tree, is_leaf=lambda x: x is None)
 
   if structure(updates) == structure(params):
@@ -215,7 +227,9 @@ def check_same_structure(updates, params):
   )
 
 
-def _unscale_leaf(g, out_dtype, scale_for):
+def _unscale_leaf(
+  g: Any, out_dtype: Any, scale_for: Callable[[Any], Any]
+) -> Any:
   if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
@@ -232,19 +246,3 @@ def _unscale_leaf(g, out_dtype, scale_for):
   g = lax.convert_element_type(g, compute_dtype)
   quotient = lax.mul(lax.mul(g, quarter), reciprocal)
   return lax.convert_element_type(quotient, out_dtype)
-
-
-def check_scalar_state(state: LossScaleState) -> None:
-  """`update` and `scale_loss` need one scale; the read-outs take any."""
-  shape = jnp.shape(state.loss_scale)
-  if shape != ():
-    raise ValueError(
-      "The loss-scale state must hold a scalar scale, got shape"
-      f" {shape}. This happens when a state made under `jax.vmap` (an"
-      " ensemble of optimizer states) is used outside of it: call"
-      " `update`/`scale_loss` inside the same `jax.vmap`, or index one"
-      " member of the ensemble. A state replicated for `jax.pmap` is the"
-      " same: use it inside `pmap`, or index one replica. The read-outs"
-      " (`loss_scale`, `dynamic_counter`, `skip_stats`) accept such a"
-      " state and give one value per member."
-    )

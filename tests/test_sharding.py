@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
-from optax_lossscale import _finite, _skip
+from optax_lossscale import _finite, _interpret, _skip
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8,
@@ -337,7 +337,7 @@ def test_the_rewrite_warns_once_when_it_cannot_run(monkeypatch):
   def broken_eval(*args, **kwargs):
     raise NotImplementedError("a primitive the rewrite cannot re-bind")
 
-  monkeypatch.setattr(_skip, "_eval", broken_eval)
+  monkeypatch.setattr(_interpret, "evaluate", broken_eval)
   monkeypatch.setattr(_skip, "_FALLBACK_REASONS_SAID", set())
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
   params = jnp.ones(4)

@@ -1,0 +1,92 @@
+"""Every use of jax internals, and every spelling that differs between the
+oldest and the newest jax supported, in one place.
+
+Everything else in the package uses public jax only. Where a name here goes
+away in a new jax, the skip's rewrite falls back to a plain select with a
+warning (`_skip`), and the overflow finder says it cannot name sources.
+"""
+
+import contextlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+Var = jex_core.Var
+Literal = jex_core.Literal
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+
+source_info: types.ModuleType | None
+try:  # name stacks and tracebacks of re-bound equations, for profiles
+  from jax._src import source_info_util as source_info
+except ImportError:  # pragma: no cover - everything runs without them
+  source_info = None
+
+
+def _drop_var_type() -> type:
+  # Public in `jax.extend.core` only in newer jax.
+  for module in (jex_core, jax.core):
+    if hasattr(module, "DropVar"):
+      return module.DropVar
+  from jax._src import core as src_core  # older jax
+
+  return src_core.DropVar
+
+
+DropVar = _drop_var_type()
+
+
+def bind_args(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
+  """`(subfuns, params)` with which `eqn.primitive.bind` re-binds `eqn`."""
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+    subfuns, params = bind_params
+    return list(subfuns), params
+  return [], bind_params
+
+
+def source_of(
+  eqn: Any, inlined: bool = False
+) -> contextlib.AbstractContextManager[Any]:
+  """Binds under `eqn`'s traceback and name stack (and, for an inlined call,
+  its name), so that profiles and HLO metadata keep them."""
+  if source_info is None:
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  info = eqn.source_info
+  stack.enter_context(
+    source_info.user_context(
+      info.traceback,
+      name_stack=source_info.current_name_stack() + info.name_stack,
+    )
+  )
+  if inlined and eqn.params.get("name"):
+    stack.enter_context(source_info.extend_name_stack(eqn.params["name"]))
+  return stack
+
+
+def user_frame(eqn: Any) -> str | None:
+  """`file:line (function)` of the user's code that made `eqn`, or None."""
+  if source_info is None:
+    return None
+  try:
+    frame = source_info.user_frame(eqn.source_info.traceback)
+  except Exception:
+    return None
+  if frame is None:
+    return None
+  return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def shard_map(
+  f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any
+) -> Callable[..., Any]:
+  """`jax.shard_map`, or its older home."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  from jax.experimental.shard_map import shard_map as old  # older jax
+
+  return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

@@ -1,0 +1,108 @@
+"""Finding the one loss-scale state anywhere in an optimizer state.
+
+The state is found in optax states, a flax `TrainState`, an
+`nnx.Optimizer` (its fields are NNX Variables), its `opt_state`, and the
+mappings `nnx.state(...)`/`nnx.split(...)` make of it (a `LossScaleState`
+becomes a mapping of its field names there).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale import _nnx
+from optax_lossscale._state import LossScaleState, check_scalar_state
+
+_FIELDS = frozenset(LossScaleState._fields)
+# `nnx.state` drops a None field: a static state has no `counter` there.
+_REQUIRED_FIELDS = _FIELDS - {"counter"}
+
+ACCEPTED = (
+  "the state of an optimizer built with `loss_scale_optimizer` or"
+  " `unscale_and_check` (the whole optax state, a flax `TrainState`, an"
+  " `nnx.Optimizer`, its `opt_state`, or `nnx.state`/`nnx.split` output of"
+  " it)"
+)
+
+# A `LossScaleState`, or the mapping `nnx.state` makes of one.
+Node = LossScaleState | Mapping[str, Any]
+
+
+def is_node(x: Any) -> bool:
+  """Whether `x` is a `LossScaleState`, or the mapping `nnx.state` makes of
+  one."""
+  if isinstance(x, LossScaleState):
+    return True
+  if isinstance(x, Mapping):
+    try:
+      keys = set(x.keys())
+    except TypeError:
+      return False
+    return _REQUIRED_FIELDS <= keys <= _FIELDS
+  return False
+
+
+def field(node: Node, name: str) -> Any:
+  """Field `name` of a node, as it is held (an NNX Variable, say)."""
+  if isinstance(node, LossScaleState):
+    return getattr(node, name)
+  return node.get(name)
+
+
+def find_node(opt_state: Any) -> Node:
+  """The one loss-scale node in `opt_state`."""
+  found = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=is_node
+    )[0]
+    if is_node(leaf)
+  ]
+  if not found:
+    raise ValueError(
+      "No loss-scale state found in the given optimizer state (of type"
+      f" {type(opt_state).__name__}). Pass {ACCEPTED}; not the parameters"
+      " or a plain optax state."
+    )
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(path) for path, _ in found)
+    raise ValueError(
+      f"Found {len(found)} loss-scale states in the optimizer state, at"
+      f" {paths}; a loss-scaled optimizer must not wrap another. Keep one"
+      " loss scaler."
+    )
+  return found[0][1]
+
+
+def read(opt_state: Any) -> LossScaleState:
+  """The loss-scale state as plain arrays, possibly stacked (any shape)."""
+  node = find_node(opt_state)
+  return LossScaleState._make(
+    _as_array(_nnx.unwrap(field(node, name))) for name in LossScaleState._fields
+  )
+
+
+def _as_array(value: Any) -> jax.Array | None:
+  return None if value is None else jnp.asarray(value)
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleState:
+  """The one scalar :class:`LossScaleState` inside `opt_state`, as arrays."""
+  state = read(opt_state)
+  check_scalar_state(state)
+  return state
+
+
+def replace_node(opt_state: Any, **fields: jax.Array) -> Any:
+  """`opt_state` with the loss-scale node's `fields` replaced; a new state."""
+
+  def replace(x: Any) -> Any:
+    if isinstance(x, LossScaleState):
+      return x._replace(**fields)
+    if is_node(x):
+      return type(x)({**x, **fields})
+    return x
+
+  return jax.tree.map(replace, opt_state, is_leaf=is_node)

@@ -1,0 +1,111 @@
+"""`set_loss_scale`: the scale set by hand, and the checks on its value."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lossscale import _locate, _nnx
+from optax_lossscale._state import SCALE_DTYPE
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_value(
+  value: jax.typing.ArrayLike, old: jax.Array, static: bool
+) -> None:
+  """Refuses a concrete `value` that is not a usable scale for this state."""
+  if jnp.shape(value) not in ((), old.shape):
+    raise ValueError(
+      "`value` must be a scalar loss scale (or one per member of a stacked"
+      f" state, shape {old.shape}), got shape {jnp.shape(value)}."
+    )
+  if not _is_concrete(value):
+    return
+  with np.errstate(over="ignore", invalid="ignore"):
+    as_f32 = np.asarray(value, dtype=np.float32)
+  if not np.all(np.isfinite(as_f32) & (as_f32 > 0)):
+    raise ValueError(
+      f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."
+    )
+  if (
+    static
+    and np.any(as_f32 < 1)
+    and _is_concrete(old)
+    and bool(jnp.all(old >= 1))
+  ):
+    raise ValueError(
+      f"`value` must be >= 1 for this static loss scale (dynamic=False,"
+      f" now {_describe(old)}), got {value!r}: its finiteness check"
+      " relies on a scale of at least 1, so every step would be skipped,"
+      " and a static scale never changes by itself."
+    )
+
+
+def _describe(old: jax.Array) -> str:
+  return f"{float(old)}" if old.shape == () else f"shape {old.shape}"
+
+
+def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
+  """Sets the loss scale to `value`, for checkpoint surgery or a restart.
+
+  The counters are left as they are. Choose the value within the
+  optimizer's ``[min_scale, max_scale]``: the rule does not clip a value
+  set by hand, so below ``min_scale`` the next backoff raises it to
+  ``min_scale``, and a value below 1 under a ``min_scale >= 1`` counts as an
+  overflow (the step is skipped and backoff brings the scale back to
+  ``min_scale``), because the finiteness check there relies on a scale of
+  at least 1. A static scale never backs off, so there a value below 1 is
+  refused (unless the static scale is below 1 already).
+
+  A concrete value that is refused raises; a traced one (under ``jit``)
+  that would be refused (not finite, not > 0, or below 1 for a static
+  scale >= 1) leaves the scale as it was.
+
+  NNX: where the scale sits in an NNX Variable (an ``nnx.Optimizer``, its
+  ``opt_state``, ``nnx.state``/``nnx.split`` output), the Variable is set in
+  place, as NNX objects are, and the same object is returned:
+  ``ols.set_loss_scale(optimizer, 1024.0)`` is the whole call, and the next
+  ``optimizer.update`` uses the new scale. Every other state is returned as
+  a new state and left unchanged.
+
+  Args:
+    opt_state: anything holding one loss-scale state (see
+      :func:`scale_loss`); a stacked (ensemble) state sets every member.
+    value: the new scale, a scalar (or one per member of a stacked state).
+
+  Returns:
+    A state of the same structure and dtypes with the new scale.
+
+  Raises:
+    ValueError: for a concrete value that is not finite and > 0, or below 1
+      for a static scale of at least 1.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> state = ols.loss_scale_optimizer(optax.sgd(0.1)).init(jnp.zeros(2))
+    >>> ols.loss_scale(ols.set_loss_scale(state, 256.0))
+    Array(256., dtype=float32)
+  """
+  node = _locate.find_node(opt_state)
+  held = _locate.field(node, "loss_scale")
+  old = jnp.asarray(_nnx.unwrap(held))
+  static = _locate.field(node, "counter") is None
+  _check_value(value, old, static)
+  new = jnp.broadcast_to(jnp.asarray(value, SCALE_DTYPE), old.shape)
+  # What a concrete value was checked for, for a traced one (and for a
+  # traced old scale): a refused value keeps the old scale. Without it, a
+  # NaN set under jit would stay NaN (`max(NaN, min_scale)` is NaN).
+  usable = jnp.isfinite(new) & (new > 0)
+  if static:
+    usable &= (new >= 1) | (old < 1)
+  new = jnp.where(usable, new, old.astype(SCALE_DTYPE))
+
+  if _nnx.is_variable(held):
+    _nnx.set_value(held, new)
+    return opt_state
+  return _locate.replace_node(opt_state, loss_scale=new)
