@@ -4,9 +4,14 @@ Build (warnings are errors; `.ci/run` runs the same into a temporary folder):
   python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
 
+import importlib
+import inspect
 import pathlib
 import re
 import sys
+
+import jax
+from docutils import nodes
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The checkout's package, whichever one is installed: autodoc imports it.
@@ -56,16 +61,86 @@ nitpick_ignore_regex = [
 ] + [("myst", rf"\.\./{re.escape(d)}/?") for d in _TOP_DIRS]
 
 # API reference: Google-style docstrings, members in source order, the
-# signature's annotations written out in the description, not the signature.
+# signature's annotations written out in the description, not the signature,
+# and only for what the docstring documents (a NamedTuple's fields are
+# documented once, as attributes, not again as constructor parameters).
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_typehints_format = "short"
+# `optax_lossscale.LossScaleState` in a type reads `LossScaleState`.
+python_use_unqualified_type_names = True
 # Cross-references the docstrings make to optax, jax and numpy names cannot
 # resolve without intersphinx (no network in CI), so they are not checked.
 nitpicky = False
 
+# Fences without a language are program output or shell commands (the
+# included benchmarks/README.md and notebooks/RESULTS.md have many), not
+# Python: Sphinx's default would colour them as Python.
+highlight_language = "text"
+
 html_theme = "furo"
 html_title = f"optax_lossscale {release}"
 html_static_path: list[str] = []
+
+
+# Public names for private paths. Annotations are evaluated objects, and
+# Sphinx and napoleon write them under the module that defines them:
+# `jax.jaxlib._jax.Array`, `optax_lossscale._state.LossScaleState`,
+# `optax._src.base.GradientTransformation`. A dotted name with a private
+# part is written as its package's public name for the same object.
+_PRIVATE_PATH = re.compile(
+  r"\b(?P<package>[A-Za-z]\w*)"  # jax
+  r"(?P<modules>(?:\.\w+)*\._\w+(?:\.\w+)*)"  # .jaxlib._jax
+  r"\.(?P<name>\w+)\b"  # .Array
+)
+
+
+def _public_name(match: re.Match) -> str:
+  package, name = match["package"], match["name"]
+  try:
+    public = getattr(importlib.import_module(package), name)
+  except (ImportError, AttributeError):
+    return match[0]  # not a package's public name: left as written
+  try:
+    private = getattr(importlib.import_module(package + match["modules"]), name)
+  except (ImportError, AttributeError):
+    # A path that is not importable as written (jax's `jax.jaxlib._jax` is
+    # `jaxlib._jax`): the package's public name stands.
+    private = public
+  return f"{package}.{name}" if private is public else match[0]
+
+
+def _public_paths(app, what, name, obj, options, lines) -> None:
+  """autodoc-process-docstring, after napoleon has written its fields."""
+  lines[:] = [_PRIVATE_PATH.sub(_public_name, line) for line in lines]
+
+
+def _array_like_by_name(app, domain, objtype, contentnode) -> None:
+  """A parameter annotated `jax.typing.ArrayLike` reads so, not as the
+  eight-member union that the alias stands for."""
+  if domain != "py" or not contentnode.parent.children:
+    return
+  signature = contentnode.parent[0]
+  obj = getattr(optax_lossscale, signature.get("fullname", ""), None)
+  try:
+    parameters = inspect.signature(obj).parameters
+  except (TypeError, ValueError):
+    return
+  array_like = {
+    f"type {p.name}"
+    for p in parameters.values()
+    if p.annotation is jax.typing.ArrayLike
+  }
+  for field in contentnode.findall(nodes.field):
+    if field[0].astext() in array_like:
+      field[1].clear()
+      field[1] += nodes.paragraph("", "jax.typing.ArrayLike")
+
+
+def setup(app):
+  # After napoleon (500) and after autodoc's own typehint fields (500).
+  app.connect("autodoc-process-docstring", _public_paths, priority=600)
+  app.connect("object-description-transform", _array_like_by_name, 600)
