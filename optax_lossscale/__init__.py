@@ -9,11 +9,16 @@ from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._keras import from_keras_config as from_keras_config
 from optax_lossscale._keras import to_keras_config as to_keras_config
 from optax_lossscale._optimizer import (
+  LossScaledTransformation as LossScaledTransformation,
+)
+from optax_lossscale._optimizer import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
 from optax_lossscale._readouts import dynamic_counter as dynamic_counter
 from optax_lossscale._readouts import loss_scale as loss_scale
+from optax_lossscale._readouts import nonfinite_leaves as nonfinite_leaves
 from optax_lossscale._readouts import skip_stats as skip_stats
+from optax_lossscale._report import skip_report as skip_report
 from optax_lossscale._scale import scale_loss as scale_loss
 from optax_lossscale._setter import set_loss_scale as set_loss_scale
 from optax_lossscale._state import (
@@ -23,19 +28,33 @@ from optax_lossscale._state import LossScaleState as LossScaleState
 from optax_lossscale._state import SkipStats as SkipStats
 from optax_lossscale._unscale import unscale_and_check as unscale_and_check
 
+# The public types say where users import them from (in `help()`, reprs and
+# the API page), not the private module that defines them.
+for _public_type in (
+  LossScaleOptimizerState,
+  LossScaleState,
+  LossScaledTransformation,
+  SkipStats,
+):
+  _public_type.__module__ = __name__
+del _public_type
+
 __version__ = "0.1.0"
 
 __all__ = (
   "LossScaleOptimizerState",
   "LossScaleState",
+  "LossScaledTransformation",
   "SkipStats",
   "all_finite",
   "dynamic_counter",
   "from_keras_config",
   "loss_scale",
   "loss_scale_optimizer",
+  "nonfinite_leaves",
   "scale_loss",
   "set_loss_scale",
+  "skip_report",
   "skip_stats",
   "to_keras_config",
   "unscale_and_check",

@@ -90,3 +90,29 @@ def shard_map(
   from jax.experimental.shard_map import shard_map as old  # older jax
 
   return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def varying_like(x: Any, like: Any) -> Any:
+  """`x`, typed as varying over every manual axis (inside `shard_map`) that
+  `like` varies over, so that the two can be the outputs of one `switch`;
+  `x` itself elsewhere. A cast of the type only: nothing runs."""
+  missing = _varying_axes(like) - _varying_axes(x)
+  if not missing:
+    return x
+  axes = tuple(sorted(missing, key=str))
+  # `pcast` in newer jax, `pvary` in older; neither in both's type stubs.
+  cast = getattr(jax.lax, "pcast", None)
+  if cast is not None:
+    return cast(x, axes, to="varying")
+  vary = getattr(jax.lax, "pvary", None)
+  assert vary is not None, "a jax with manual axes has pcast or pvary"
+  return vary(x, axes)
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+  """The manual axes over which `x` varies (`vma` in older jax)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))

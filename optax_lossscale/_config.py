@@ -32,6 +32,8 @@ class LossScaleConfig:
   max_scale: float
   hysteresis: int
   axis_name: AxisName
+  leaf_stats: bool = False
+  backoff_on_nonfinite_loss: bool = True
 
 
 def _as_real_scalar(value: Any) -> float | None:
@@ -98,14 +100,12 @@ def make_config(
   max_scale: float | None,
   hysteresis: int,
   axis_name: AxisName,
+  leaf_stats: bool = False,
+  backoff_on_nonfinite_loss: bool = True,
 ) -> LossScaleConfig:
   """Validates the public arguments; every error names argument and value."""
   # Keras-TF2's own checks come first, with the same exception types.
-  if not isinstance(dynamic, bool):
-    raise TypeError(
-      f"`dynamic` must be a bool (True or False), got {dynamic!r} of type"
-      f" {type(dynamic).__name__}."
-    )
+  _check_bool("dynamic", dynamic)
   if not dynamic and initial_scale is None:
     raise ValueError(
       "`initial_scale` must be given when `dynamic=False` (a static scale"
@@ -161,6 +161,8 @@ def make_config(
     )
   hysteresis = _check_int("hysteresis", hysteresis, minimum=1)
   _check_axis_name(axis_name)
+  _check_bool("leaf_stats", leaf_stats)
+  _check_bool("backoff_on_nonfinite_loss", backoff_on_nonfinite_loss)
   # The rule computes in float32: keep the float32 values, so that bounds
   # compare as they will be applied (0.1 is not a float32).
   return LossScaleConfig(
@@ -173,7 +175,17 @@ def make_config(
     max_scale=_float32(max_scale),
     hysteresis=hysteresis,
     axis_name=axis_name,
+    leaf_stats=leaf_stats,
+    backoff_on_nonfinite_loss=backoff_on_nonfinite_loss,
   )
+
+
+def _check_bool(name: str, value: object) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(
+      f"`{name}` must be a bool (True or False), got {value!r} of type"
+      f" {type(value).__name__}."
+    )
 
 
 def _float32(value: float) -> float:

@@ -7,6 +7,8 @@ changes how XLA allocates the flag it computes, never its value.
 import jax
 from jax import lax
 
+from optax_lossscale import _compat
+
 
 def last_finite_flag(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
   """`finite`, computed so that it reads `old_flag` where that matters.
@@ -20,6 +22,10 @@ def last_finite_flag(old_flag: jax.Array, finite: jax.Array) -> jax.Array:
   stays in the program all the same (the branch is chosen when the step is
   compiled), so its buffer is reused either way (benchmarks/README.md).
   """
+  # Inside `shard_map` a state that differs by shard varies over its axes,
+  # and the flag (agreed by every shard) does not: both branches must give
+  # one type.
+  finite = _compat.varying_like(finite, old_flag)
   return lax.platform_dependent(
     old_flag, finite, cpu=_finite_alone, default=_finite_reading_old
   )

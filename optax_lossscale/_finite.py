@@ -1,7 +1,13 @@
-"""One boolean for a whole gradient tree."""
+"""Whether a gradient tree is finite, and how not: one pass over the leaves.
+
+The check gives a code per tree (and, asked for, per leaf): `FINITE` (0),
+`INF` (1, an overflow to inf and no NaN) or `NAN` (2). The codes of several
+trees, replicas or leaves combine by `max`, so that one reduction across
+devices carries them all.
+"""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +15,16 @@ import numpy as np
 from jax import lax
 
 from optax_lossscale import _compat, _config, _placement
+
+FINITE, INF, NAN = 0, 1, 2
+CODE_DTYPE = jnp.int32
+
+
+class Verdict(NamedTuple):
+  """The check of a tree: its code, and one per leaf when asked for."""
+
+  code: jax.Array  # int32[]
+  leaf_codes: jax.Array | None  # int32[leaves], in `jax.tree.leaves` order
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -31,26 +47,53 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ols.all_finite({'w': jnp.ones(3), 'b': None})
     Array(True, dtype=bool)
   """
+  return check(tree).code == FINITE
+
+
+def check(tree: Any, per_leaf: bool = False) -> Verdict:
+  """The code of `tree` (the worst of its leaves'), and with `per_leaf` the
+  code of each leaf (0 for leaves that cannot hold a non-finite value)."""
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
   # Integer and boolean leaves are always finite; empty ones hold nothing.
-  leaves = [
-    x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+  checked = [
+    i
+    for i, x in enumerate(leaves)
+    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
   ]
-  if not leaves:
-    return jnp.ones([], jnp.bool_)
-  local, explicit, auto = _by_placement(leaves)
-  flags = [_all_finite_here(*local)] if local else []
-  # On a mesh the flag is reduced where each leaf lives, and only scalars
-  # cross devices: combining leaves sharded differently (a concatenation, an
+  if not checked:
+    codes = jnp.zeros([len(leaves)], CODE_DTYPE) if per_leaf else None
+    return Verdict(_code(FINITE), codes)
+  local, explicit, auto = _by_placement(checked, leaves)
+  # On a mesh each leaf is checked where it lives, and only scalars cross
+  # devices: combining leaves sharded differently (a concatenation, an
   # element-wise max) would make XLA gather or reshard the gradients.
-  flags += [
-    _all_finite_on_mesh(mesh, group) for mesh, group in explicit.items()
-  ]
-  flags += [_reduced_where_it_lives(x) for x in auto]
-  return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
+  parts: list[tuple[list[int], Verdict]] = []
+  if local:
+    parts.append((local, _check_here([leaves[i] for i in local], per_leaf)))
+  for mesh, group in explicit.items():
+    parts.append(
+      (group, _check_on_mesh(mesh, [leaves[i] for i in group], per_leaf))
+    )
+  for i in auto:
+    code = _reduced_where_it_lives(leaves[i])
+    parts.append(([i], Verdict(code, code[None] if per_leaf else None)))
+  code = parts[0][1].code
+  for _, verdict in parts[1:]:
+    code = lax.max(code, verdict.code)
+  if not per_leaf:
+    return Verdict(code, None)
+  leaf_codes = jnp.zeros([len(leaves)], CODE_DTYPE)
+  for indices, verdict in parts:
+    assert verdict.leaf_codes is not None
+    leaf_codes = leaf_codes.at[np.asarray(indices)].set(verdict.leaf_codes)
+  return Verdict(code, leaf_codes)
 
 
-def _all_finite_here(*leaves: jax.Array) -> jax.Array:
+def _code(value: int) -> jax.Array:
+  return jnp.asarray(value, CODE_DTYPE)
+
+
+def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
   """The check of leaves that live whole on one device (or are one shard)."""
   # Two formulations of one exact check, chosen when the step is lowered
   # (no branch at run time). On CPU (`_on_cpu`): large leaves of one shape
@@ -58,42 +101,53 @@ def _all_finite_here(*leaves: jax.Array) -> jax.Array:
   # Elsewhere (`_concatenated`): one reduction per group of leaves
   # concatenated, which XLA fuses into one kernel per group, where one
   # reduction per leaf costs two kernel launches per leaf. On CPU,
-  # concatenating large leaves is materialized.
-  return lax.platform_dependent(*leaves, cpu=_on_cpu, default=_concatenated)
+  # concatenating large leaves is materialized. Per leaf, each leaf is
+  # reduced on its own.
+  if per_leaf:
+    codes = lax.platform_dependent(
+      *leaves, cpu=_per_leaf_on_cpu, default=_per_leaf_elsewhere
+    )
+    return Verdict(jnp.max(codes), codes)
+  code = lax.platform_dependent(*leaves, cpu=_on_cpu, default=_concatenated)
+  return Verdict(code, None)
 
 
 def _by_placement(
-  leaves: list[jax.Array],
-) -> tuple[list[jax.Array], dict[Any, list[jax.Array]], list[jax.Array]]:
-  """Splits the leaves by where they live, as their types say.
+  checked: list[int], leaves: list[jax.Array]
+) -> tuple[list[int], dict[Any, list[int]], list[int]]:
+  """Splits the `checked` leaves (by index) by where they live, as their
+  types say.
 
   Returns `(local, explicit, auto)`: leaves on one device or inside
   `shard_map` (whole where they are checked); leaves sharded over an
   `Explicit` mesh, by mesh (their specs are known while tracing); and
   leaves on a mesh with `Auto` axes, whose sharding XLA picks later.
   """
-  local: list[jax.Array] = []
-  explicit: dict[Any, list[jax.Array]] = {}
-  auto: list[jax.Array] = []
-  for x in leaves:
-    mesh = _placement.mesh_of(x)
+  local: list[int] = []
+  explicit: dict[Any, list[int]] = {}
+  auto: list[int] = []
+  for i in checked:
+    mesh = _placement.mesh_of(leaves[i])
     if _placement.on_one_device(mesh):
-      local.append(x)
+      local.append(i)
     elif _placement.all_axes_are(mesh, "Explicit"):
-      explicit.setdefault(mesh, []).append(x)
+      explicit.setdefault(mesh, []).append(i)
     else:
-      auto.append(x)
+      auto.append(i)
   return local, explicit, auto
 
 
-def _all_finite_on_mesh(mesh: Any, leaves: list[jax.Array]) -> jax.Array:
-  """Each device checks its own shards; one boolean is reduced over the mesh.
+def _check_on_mesh(
+  mesh: Any, leaves: list[jax.Array], per_leaf: bool
+) -> Verdict:
+  """Each device checks its own shards; the codes are reduced over the mesh.
 
   Inside `shard_map` every leaf is a local block, so the single-device
   check applies as it is (concatenations included), and the only traffic
-  is one int32 scalar per device, over the axes that some leaf is sharded
-  on (the flag is the same along the others; newer jax refuses a reduction
-  over an axis along which a value does not vary).
+  is one int32 vector per device (a scalar, unless per leaf), over the axes
+  that some leaf is sharded on (the codes are the same along the others;
+  newer jax refuses a reduction over an axis along which a value does not
+  vary).
   """
   specs = tuple(jax.typeof(x).sharding.spec for x in leaves)
   sharded_on = {
@@ -106,28 +160,31 @@ def _all_finite_on_mesh(mesh: Any, leaves: list[jax.Array]) -> jax.Array:
   axes = tuple(a for a in mesh.axis_names if a in sharded_on)
 
   def check_shards(*shards: jax.Array) -> jax.Array:
-    finite = _all_finite_here(*shards)
-    if not axes:
-      return finite
-    return lax.pmin(finite.astype(jnp.int32), axes).astype(jnp.bool_)
+    verdict = _check_here(list(shards), per_leaf)
+    codes = (
+      verdict.code[None] if verdict.leaf_codes is None else (verdict.leaf_codes)
+    )
+    return lax.pmax(codes, axes) if axes else codes
 
   out_spec = jax.sharding.PartitionSpec()
-  return _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
+  codes = _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
+  if per_leaf:
+    return Verdict(jnp.max(codes), codes)
+  return Verdict(codes[0], None)
 
 
 def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
-  """Whether one leaf, whose sharding XLA picks later, is finite.
+  """The code of one leaf whose sharding XLA picks later.
 
-  `sum(x - x)` is 0 for finite `x` and NaN otherwise, exactly. XLA's SPMD
-  partitioner splits this one-operand sum into one sum per shard and an
-  all-reduce of a scalar; a two-operand reduction (`_one_pass`) it gathers
-  first. The difference, unlike `x * 0`, needs no broadcast zeros, which
-  XLA on CPU materialized.
+  One one-operand reduction: XLA's SPMD partitioner splits it into one
+  reduction per shard and an all-reduce of a scalar, where a two-operand
+  reduction (`_one_pass`) it gathers first.
   """
-  if x.dtype not in _EXPONENT_MASKS:  # complex and float8
-    return jnp.all(jnp.isfinite(x))
-  zeros = lax.sub(x, x)
-  return lax.is_finite(lax.reduce_sum(zeros, tuple(range(x.ndim))))
+  masks = _MASKS.get(x.dtype)
+  if masks is None:  # complex and float8
+    return _code_of_unmasked(x)
+  largest = lax.reduce_max(_magnitude_bits(x, masks[0]), tuple(range(x.ndim)))
+  return _code_from_largest(largest, masks[1])
 
 
 def _on_cpu(*leaves: jax.Array) -> jax.Array:
@@ -135,11 +192,27 @@ def _on_cpu(*leaves: jax.Array) -> jax.Array:
   # reduction kernel slowly: leaves of one shape are read together.
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
   large = [x for x in leaves if x.size >= _CONCATENATE_BELOW]
-  flags = [_one_pass(group) for group in _groups_of_one_shape(large)]
-  flags += [
+  codes = [_one_pass(group) for group in _groups_of_one_shape(large)]
+  codes += [
     _one_pass([jnp.concatenate(flat)]) for flat in _raveled_by_dtype(small)
   ]
-  return jnp.all(jnp.stack(flags))
+  return _worst(codes)
+
+
+def _per_leaf_on_cpu(*leaves: jax.Array) -> jax.Array:
+  """The code of each leaf, each in a reduction of its own."""
+  return jnp.stack([_one_pass([x]) for x in leaves])
+
+
+def _per_leaf_elsewhere(*leaves: jax.Array) -> jax.Array:
+  return jnp.stack([_reduced_where_it_lives(x) for x in leaves])
+
+
+def _worst(codes: Sequence[jax.Array]) -> jax.Array:
+  worst = codes[0]
+  for code in codes[1:]:
+    worst = lax.max(worst, code)
+  return worst
 
 
 def _raveled_by_dtype(
@@ -168,7 +241,7 @@ def _groups_of_one_shape(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   by_kind: dict[Any, list[jax.Array]] = {}
   for i, x in enumerate(leaves):
     # By position, not `id(x)`: one array may be passed twice.
-    kind = (x.shape, x.dtype) if x.dtype in _EXPONENT_MASKS else i
+    kind = (x.shape, x.dtype) if x.dtype in _MASKS else i
     by_kind.setdefault(kind, []).append(x)
   groups = []
   for same in by_kind.values():
@@ -185,56 +258,76 @@ def _groups_of_one_shape(leaves: list[jax.Array]) -> list[list[jax.Array]]:
 _ELEMENTS_PER_GROUP = 2**20
 _MAX_GROUP = 64
 
-# The bits of the exponent, by dtype, as the unsigned integer of that width.
-# The exponent is all ones exactly for infinities and NaNs (IEEE 754).
-_EXPONENT_MASKS: dict[np.dtype, np.unsignedinteger] = {
-  jnp.dtype(jnp.float16): np.uint16(0x7C00),
-  jnp.dtype(jnp.bfloat16): np.uint16(0x7F80),
-  jnp.dtype(jnp.float32): np.uint32(0x7F80_0000),
-  jnp.dtype(jnp.float64): np.uint64(0x7FF0_0000_0000_0000),
+# By dtype, as unsigned integers of its width: the bits of the magnitude (all
+# but the sign), and the magnitude of inf. Read as integers, magnitudes order
+# as the floats do, and every NaN lies above inf (IEEE 754).
+_MASKS: dict[np.dtype, tuple[np.unsignedinteger, np.unsignedinteger]] = {
+  jnp.dtype(jnp.float16): (np.uint16(0x7FFF), np.uint16(0x7C00)),
+  jnp.dtype(jnp.bfloat16): (np.uint16(0x7FFF), np.uint16(0x7F80)),
+  jnp.dtype(jnp.float32): (np.uint32(0x7FFF_FFFF), np.uint32(0x7F80_0000)),
+  jnp.dtype(jnp.float64): (
+    np.uint64(0x7FFF_FFFF_FFFF_FFFF),
+    np.uint64(0x7FF0_0000_0000_0000),
+  ),
 }
 
 
 def _one_pass(leaves: Sequence[jax.Array]) -> jax.Array:
-  """Whether every element of `leaves` (of one shape and dtype) is finite."""
-  mask = _EXPONENT_MASKS.get(leaves[0].dtype)
-  if mask is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
+  """The code of `leaves` (of one shape and dtype), in one pass."""
+  masks = _MASKS.get(leaves[0].dtype)
+  if masks is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
     (leaf,) = leaves
-    finite = jnp.isfinite(leaf)
-  else:
-    # The largest exponent over the leaves is all ones exactly where one of
-    # them is not finite. Integer arithmetic: no conversion of float16
-    # (which slowed an `x * 0` sum on float16 leaves), and no float max
-    # (XLA's vectorized float max on CPU drops NaNs in large arrays).
-    exponent = _exponent(leaves[0], mask)
-    for x in leaves[1:]:
-      exponent = lax.max(exponent, _exponent(x, mask))
-    finite = lax.ne(exponent, mask)  # scalars broadcast
+    return _code_of_unmasked(leaf)
+  magnitude, inf = masks
+  # The largest magnitude over the leaves, element by element, read as
+  # integers: no conversion of float16 (which slowed an `x * 0` sum on
+  # float16 leaves), and no float max (XLA's vectorized float max on CPU
+  # drops NaNs in large arrays).
+  largest = _magnitude_bits(leaves[0], magnitude)
+  for x in leaves[1:]:
+    largest = lax.max(largest, _magnitude_bits(x, magnitude))
   # A reduction of two operands at once. XLA on CPU splits a one-operand
-  # reduction into a tree of reduce-windows and materializes its input (a
-  # byte per element) in front of it, through a transposing copy when the
-  # gradient is a transposed matmul output; it leaves a reduction of two
-  # operands whole, with its input fused in: one pass over the leaves, no
-  # temporary. The second operand (is any element not finite?) keeps the
-  # reduction variadic; both answers agree, and both are used so that XLA
-  # keeps both.
-  all_finite, any_not_finite = lax.reduce(
-    (finite, ~finite),
-    (np.bool_(True), np.bool_(False)),
-    _and_or,
-    tuple(range(finite.ndim)),
+  # reduction into a tree of reduce-windows and materializes its input in
+  # front of it, through a transposing copy when the gradient is a
+  # transposed matmul output; it leaves a reduction of two operands whole,
+  # with its input fused in: one pass over the leaves, no temporary. The
+  # second operand (is any element NaN?) keeps the reduction variadic; the
+  # largest magnitude says it too, and both are used so that XLA keeps both.
+  largest, any_nan = lax.reduce(
+    (largest, lax.gt(largest, inf)),
+    (np.zeros([], largest.dtype), np.bool_(False)),
+    _max_or,
+    tuple(range(largest.ndim)),
   )
-  return all_finite & ~any_not_finite
+  return jnp.where(any_nan, _code(NAN), _code_from_largest(largest, inf))
 
 
-def _exponent(x: jax.Array, mask: np.unsignedinteger) -> jax.Array:
+def _magnitude_bits(x: jax.Array, mask: np.unsignedinteger) -> jax.Array:
   return lax.bitwise_and(lax.bitcast_convert_type(x, mask.dtype), mask)
 
 
-def _and_or(
+def _code_from_largest(
+  largest: jax.Array, inf: np.unsignedinteger
+) -> jax.Array:
+  """The code of a leaf whose largest magnitude, read as bits, is `largest`."""
+  return lax.select(
+    lax.gt(largest, inf),
+    _code(NAN),
+    lax.select(lax.eq(largest, inf), _code(INF), _code(FINITE)),
+  )
+
+
+def _code_of_unmasked(x: jax.Array) -> jax.Array:
+  """The code of a leaf of a dtype without a magnitude mask (complex, or
+  float8, in whose e4m3fn NaN is not all ones)."""
+  code = jnp.where(jnp.all(jnp.isfinite(x)), FINITE, INF)
+  return jnp.where(jnp.any(jnp.isnan(x)), NAN, code).astype(CODE_DTYPE)
+
+
+def _max_or(
   a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
-  return a[0] & b[0], a[1] | b[1]
+  return lax.max(a[0], b[0]), a[1] | b[1]
 
 
 # Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU
@@ -243,19 +336,17 @@ _LEAVES_PER_CONCATENATION = 64
 
 
 def _concatenated(*leaves: jax.Array) -> jax.Array:
-  flags = []
+  codes = []
   for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
       group = flat[start : start + _LEAVES_PER_CONCATENATION]
-      flags.append(jnp.all(jnp.isfinite(jnp.concatenate(group))))
-  return jnp.all(jnp.stack(flags))
+      codes.append(_reduced_where_it_lives(jnp.concatenate(group)))
+  return _worst(codes)
 
 
-def all_finite_across(
-  finite: jax.Array, axis_name: _config.AxisName
-) -> jax.Array:
-  """Reduces one boolean over `axis_name`, so that every replica agrees."""
+def reduce_across(codes: jax.Array, axis_name: _config.AxisName) -> jax.Array:
+  """Reduces codes over `axis_name`, so that every replica agrees: one
+  int32 vector per replica crosses the interconnect, not the gradients."""
   if axis_name is None:
-    return finite
-  # One int32 scalar per replica crosses the interconnect, not the gradients.
-  return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return codes
+  return lax.pmax(codes, axis_name)

@@ -209,6 +209,8 @@ def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
     "backoff_factor": (c.backoff_factor, 0.5),
     "min_scale": (c.min_scale, 1.0),
     "hysteresis": (c.hysteresis, 1),
+    # `leaf_stats` only counts, and changes no step: it is not refused.
+    "backoff_on_nonfinite_loss": (c.backoff_on_nonfinite_loss, True),
   }
   not_keras = {k: v for k, (v, default) in extensions.items() if v != default}
   if c.max_scale != FLOAT32_MAX:

@@ -13,11 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from optax_lossscale import _nnx
-from optax_lossscale._state import LossScaleState, check_scalar_state
+from optax_lossscale._state import (
+  LossScaleState,
+  SkipEvents,
+  check_scalar_state,
+)
 
 _FIELDS = frozenset(LossScaleState._fields)
-# `nnx.state` drops a None field: a static state has no `counter` there.
-_REQUIRED_FIELDS = _FIELDS - {"counter"}
+# `nnx.state` drops a None field: a static state has no `counter` there, and
+# one without leaf statistics no `leaf_notfinite`.
+_REQUIRED_FIELDS = _FIELDS - {"counter", "leaf_notfinite"}
 
 ACCEPTED = (
   "the state of an optimizer built with `loss_scale_optimizer` or"
@@ -79,13 +84,20 @@ def find_node(opt_state: Any) -> Node:
 def read(opt_state: Any) -> LossScaleState:
   """The loss-scale state as plain arrays, possibly stacked (any shape)."""
   node = find_node(opt_state)
-  return LossScaleState._make(
-    _as_array(_nnx.unwrap(field(node, name))) for name in LossScaleState._fields
+  state = LossScaleState._make(
+    _as_arrays(field(node, name)) for name in LossScaleState._fields
   )
+  if isinstance(state.recent_skips, Mapping):  # `nnx.state` output
+    state = state._replace(recent_skips=SkipEvents(**state.recent_skips))
+  return state
 
 
-def _as_array(value: Any) -> jax.Array | None:
-  return None if value is None else jnp.asarray(value)
+def _as_arrays(value: Any) -> Any:
+  """A field's value as plain arrays (a tree for the per-leaf counts), NNX
+  Variables unwrapped."""
+  return jax.tree.map(
+    lambda x: jnp.asarray(_nnx.unwrap(x)), value, is_leaf=_nnx.is_variable
+  )
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -95,7 +107,7 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
   return state
 
 
-def replace_node(opt_state: Any, **fields: jax.Array) -> Any:
+def replace_node(opt_state: Any, **fields: Any) -> Any:
   """`opt_state` with the loss-scale node's `fields` replaced; a new state."""
 
   def replace(x: Any) -> Any:

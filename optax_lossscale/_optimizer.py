@@ -1,5 +1,9 @@
 """`loss_scale_optimizer`: unscale, check, skip the inner update, adjust."""
 
+# Annotations stay unevaluated: `help()` and the API page then show the
+# public aliases (`Inner`, ...) rather than their private module paths.
+from __future__ import annotations
+
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -12,7 +16,6 @@ from optax_lossscale._config import AxisName
 from optax_lossscale._state import (
   LossScaleOptimizerState,
   LossScaleState,
-  init_loss_scale_state,
 )
 
 # What `inner` accepts: an optax transformation, or an `optax.MultiSteps`.
@@ -37,7 +40,7 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
     init: optax.TransformInitFn,
     update: optax.TransformUpdateExtraArgsFn,
     config: _config.LossScaleConfig,
-  ) -> "LossScaledTransformation":
+  ) -> LossScaledTransformation:
     """The pair `(init, update)`, carrying `config`."""
     tx = cls(init, update)
     tx._validated = config
@@ -56,7 +59,7 @@ class LossScaledTransformation(optax.GradientTransformationExtraArgs):
       )
     return config
 
-  def _replace(self, **fields: Any) -> "LossScaledTransformation":
+  def _replace(self, **fields: Any) -> LossScaledTransformation:
     replaced = super()._replace(**fields)
     if "update" not in fields:
       replaced._validated = self.__dict__.get("_validated")
@@ -134,6 +137,8 @@ def loss_scale_optimizer(
   max_scale: float | None = None,
   hysteresis: int = 1,
   axis_name: AxisName = None,
+  leaf_stats: bool = False,
+  backoff_on_nonfinite_loss: bool = True,
 ) -> LossScaledTransformation:
   r"""Wraps an optax transformation with dynamic loss scaling.
 
@@ -154,6 +159,18 @@ def loss_scale_optimizer(
      ``s = max(s * backoff_factor, min_scale)``.
   5. Static (``dynamic=False``): ``s`` never changes, non-finite steps are
      still skipped.
+  6. With ``backoff_on_nonfinite_loss=False``, a step whose loss is not
+     finite (``update(..., value=loss)``) is skipped, and ``s``, ``c`` and
+     the hysteresis count stay as they were.
+
+  Every step is counted in the state: skipped steps in total and in a row,
+  those with a NaN (not only inf) in the gradients, those with a non-finite
+  loss, and, with ``leaf_stats=True``, per gradient leaf. Read them with
+  :func:`skip_stats`, :func:`nonfinite_leaves` and :func:`skip_report`.
+
+  ``update`` takes optax's extra arguments: ``value=loss`` (the unscaled
+  loss, as :func:`value_and_grad` returns it) is read by the check and
+  still passed on to ``inner``.
 
   With the defaults this is Keras-TF2's ``LossScaleOptimizer`` step for step,
   except that a skipped step does not advance the inner optimizer's count,
@@ -179,10 +196,19 @@ def loss_scale_optimizer(
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which one boolean is reduced, so that every replica skips together.
       Not needed under ``jit`` with shardings.
+    leaf_stats: whether to count, per gradient leaf, the steps on which it
+      was not finite (read with :func:`nonfinite_leaves`); it costs one
+      small reduction per leaf.
+    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
+      finite backs the scale off, as Keras does (the default). With
+      ``False`` such a step is skipped and the scale, its counter and
+      hysteresis stay as they were: a bad batch or a forward overflow is
+      not the scale's fault, and lowering the scale cannot help it.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs` whose state is a
-    :class:`LossScaleOptimizerState`.
+    A :class:`LossScaledTransformation`: an optax
+    ``GradientTransformationExtraArgs`` that also carries its configuration,
+    whose state is a :class:`LossScaleOptimizerState`.
 
   Raises:
     TypeError, ValueError: on bad configuration, naming the argument, the
@@ -219,6 +245,8 @@ def loss_scale_optimizer(
     max_scale=max_scale,
     hysteresis=hysteresis,
     axis_name=axis_name,
+    leaf_stats=leaf_stats,
+    backoff_on_nonfinite_loss=backoff_on_nonfinite_loss,
   )
   return _loss_scale_optimizer_from_config(_as_transformation(inner), config)
 
@@ -230,9 +258,7 @@ def _loss_scale_optimizer_from_config(
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-      loss_scale_state=init_loss_scale_state(
-        config.initial_scale, config.dynamic
-      ),
+      loss_scale_state=_unscale.init_state(config, params),
       inner_state=inner_state,
     )
 
@@ -243,8 +269,10 @@ def _loss_scale_optimizer_from_config(
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     _check_state_type(state)
+    # `value` (the unscaled loss) is read here and still reaches `inner`,
+    # as optax's extra args do (`reduce_on_plateau` needs it).
     unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
-      updates, state.loss_scale_state, config, params
+      updates, state.loss_scale_state, config, params, extra_args.get("value")
     )
     # The inner update only ever sees finite values: on a skipped step it
     # computes on zeros, and its results are discarded (zero updates, the old

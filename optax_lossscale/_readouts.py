@@ -18,7 +18,8 @@ def loss_scale(opt_state: Any) -> jax.Array:
       ensemble, or replicated for ``jax.pmap``) gives one scale per member.
 
   Returns:
-    The scale: a scalar, or one per member of a stacked state.
+    The scale as a ``float32`` array, a scalar or one per member of a
+    stacked state.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -91,4 +92,46 @@ def skip_stats(opt_state: Any) -> SkipStats:
     total_skipped=state.total_notfinite,
     skipped_in_a_row=state.notfinite_count,
     last_finite=state.last_finite,
+    nan_steps=state.nan_steps,
+    nonfinite_loss_steps=state.nonfinite_loss_steps,
   )
+
+
+def nonfinite_leaves(opt_state: Any) -> Any:
+  """For each gradient leaf, the steps on which it was not finite.
+
+  Needs ``leaf_stats=True`` on :func:`loss_scale_optimizer` (or
+  :func:`unscale_and_check`). Gradients flow backward, so an overflow in one
+  layer reaches every parameter before it in the forward pass: the
+  parameters that never overflow (count 0) sit after where it starts.
+
+  Args:
+    opt_state: anything holding one loss-scale state (see
+      :func:`loss_scale`; a stacked state gives one count per member).
+
+  Returns:
+    A tree shaped like the gradients, of ``int32`` counts (saturating).
+
+  Raises:
+    ValueError: when the optimizer was built without ``leaf_stats=True``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> params = {'w': jnp.ones(2), 'b': jnp.ones(1)}
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), leaf_stats=True)
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.array([1.0, jnp.inf]), 'b': jnp.ones(1)}
+    >>> _, state = tx.update(grads, state, params)
+    >>> ols.nonfinite_leaves(state)
+    {'b': Array(0, dtype=int32), 'w': Array(1, dtype=int32)}
+  """
+  counts = _locate.read(opt_state).leaf_notfinite
+  if counts is None:
+    raise ValueError(
+      "This optimizer keeps no per-leaf statistics: build it with"
+      " `leaf_stats=True` (`loss_scale_optimizer(..., leaf_stats=True)` or"
+      " `unscale_and_check(..., leaf_stats=True)`) to count, per gradient"
+      " leaf, the steps on which it was not finite."
+    )
+  return counts

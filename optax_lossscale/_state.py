@@ -10,20 +10,58 @@ SCALE_DTYPE = jnp.float32
 COUNTER_DTYPE = jnp.int32
 
 
+# Skip events kept in the state, the most recent last (a ring buffer).
+RECENT_SKIPS = 8
+
+# Why a step was skipped, as bits of `SkipEvents.cause`.
+CAUSE_INF = 1  # a gradient overflowed to inf
+CAUSE_NAN = 2  # a gradient held a NaN
+CAUSE_LOSS = 4  # the loss (`value`) itself was not finite
+
+
+class SkipEvents(NamedTuple):
+  """The last :data:`RECENT_SKIPS` skipped steps, oldest first once full.
+
+  Attributes:
+    step: the step's number (0-based, saturating), ``int32[k]``; -1 where no
+      skip has been recorded yet.
+    cause: bits of why: 1 inf, 2 NaN in the gradients, 4 a non-finite loss,
+      ``int32[k]``.
+    scale_before: the scale the step ran at, ``float32[k]``.
+    scale_after: the scale after it, ``float32[k]``.
+  """
+
+  step: jax.Array
+  cause: jax.Array
+  scale_before: jax.Array
+  scale_after: jax.Array
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`unscale_and_check`: the scale and its bookkeeping.
+
+  Every counter is ``int32[]`` and saturates at ``2**31 - 1`` rather than
+  wrapping.
 
   Attributes:
     loss_scale: the scale that multiplies the loss, ``float32[]``.
     counter: consecutive finite steps since the scale last grew or backed
-      off, ``int32[]`` (Keras's ``dynamic_counter``); ``None`` when the
-      scale is static.
-    notfinite_count: non-finite (skipped) steps in a row, ``int32[]``,
-      saturating.
-    total_notfinite: non-finite (skipped) steps in total, ``int32[]``,
-      saturating.
-    last_finite: whether the last step's gradients were all finite,
-      ``bool[]``.
+      off (Keras's ``dynamic_counter``); ``None`` when the scale is static.
+    notfinite_count: skipped steps in a row.
+    total_notfinite: skipped steps in total.
+    last_finite: whether the last step was applied (its gradients, and its
+      loss where that decides, were finite), ``bool[]``.
+    overflows_in_a_row: steps in a row skipped for their gradients, which
+      hysteresis counts before the scale backs off. A step skipped for a
+      non-finite loss under ``backoff_on_nonfinite_loss=False`` leaves it.
+    nan_steps: skipped steps whose gradients held a NaN (not only infs).
+    nonfinite_loss_steps: skipped steps whose loss (``value``) was not
+      finite.
+    steps: the steps seen, applied and skipped.
+    recent_skips: the last skipped steps, a :class:`SkipEvents`.
+    leaf_notfinite: with ``leaf_stats=True``, a tree shaped like the
+      gradients: for each leaf, the steps on which it was not finite;
+      ``None`` otherwise.
   """
 
   loss_scale: jax.Array
@@ -31,6 +69,12 @@ class LossScaleState(NamedTuple):
   notfinite_count: jax.Array
   total_notfinite: jax.Array
   last_finite: jax.Array
+  overflows_in_a_row: jax.Array
+  nan_steps: jax.Array
+  nonfinite_loss_steps: jax.Array
+  steps: jax.Array
+  recent_skips: SkipEvents
+  leaf_notfinite: Any
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -47,28 +91,55 @@ class LossScaleOptimizerState(NamedTuple):
 
 
 class SkipStats(NamedTuple):
-  """Step statistics read by :func:`skip_stats`.
+  """Step statistics read by :func:`skip_stats`. Counters saturate at
+  ``2**31 - 1``.
 
   Attributes:
-    total_skipped: non-finite steps skipped in total (saturates at 2**31-1).
-    skipped_in_a_row: non-finite steps skipped in a row (saturates).
+    total_skipped: skipped steps in total.
+    skipped_in_a_row: skipped steps in a row.
     last_finite: whether the last step was finite (and so applied).
+    nan_steps: skipped steps whose gradients held a NaN, not only infs.
+    nonfinite_loss_steps: skipped steps whose loss (the ``value`` passed to
+      ``update``) was not finite, whatever ``backoff_on_nonfinite_loss``
+      says.
   """
 
   total_skipped: jax.Array
   skipped_in_a_row: jax.Array
   last_finite: jax.Array
+  nan_steps: jax.Array
+  nonfinite_loss_steps: jax.Array
+
+
+def _zero_count() -> jax.Array:
+  return jnp.zeros([], COUNTER_DTYPE)
 
 
 def init_loss_scale_state(
-  initial_scale: float, dynamic: bool
+  initial_scale: float, dynamic: bool, leaf_counts_like: Any = None
 ) -> LossScaleState:
+  """The state before the first step; with `leaf_counts_like` (the params),
+  a zero count per leaf."""
+  leaf_notfinite = None
+  if leaf_counts_like is not None:
+    leaf_notfinite = jax.tree.map(lambda _: _zero_count(), leaf_counts_like)
   return LossScaleState(
     loss_scale=jnp.asarray(initial_scale, SCALE_DTYPE),
-    counter=jnp.zeros([], COUNTER_DTYPE) if dynamic else None,
-    notfinite_count=jnp.zeros([], COUNTER_DTYPE),
-    total_notfinite=jnp.zeros([], COUNTER_DTYPE),
+    counter=_zero_count() if dynamic else None,
+    notfinite_count=_zero_count(),
+    total_notfinite=_zero_count(),
     last_finite=jnp.ones([], jnp.bool_),
+    overflows_in_a_row=_zero_count(),
+    nan_steps=_zero_count(),
+    nonfinite_loss_steps=_zero_count(),
+    steps=_zero_count(),
+    recent_skips=SkipEvents(
+      step=jnp.full([RECENT_SKIPS], -1, COUNTER_DTYPE),
+      cause=jnp.zeros([RECENT_SKIPS], COUNTER_DTYPE),
+      scale_before=jnp.zeros([RECENT_SKIPS], SCALE_DTYPE),
+      scale_after=jnp.zeros([RECENT_SKIPS], SCALE_DTYPE),
+    ),
+    leaf_notfinite=leaf_notfinite,
   )
 
 

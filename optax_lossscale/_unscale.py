@@ -29,6 +29,8 @@ def unscale_and_check(
   max_scale: float | None = None,
   hysteresis: int = 1,
   axis_name: AxisName = None,
+  leaf_stats: bool = False,
+  backoff_on_nonfinite_loss: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Unscales gradients, checks that they are finite, and adjusts the scale.
 
@@ -62,6 +64,14 @@ def unscale_and_check(
     hysteresis: non-finite steps in a row before the scale backs off.
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which the finite flag is reduced.
+    leaf_stats: whether to count, per gradient leaf, the steps on which it
+      was not finite (read with :func:`nonfinite_leaves`); it costs one
+      small reduction per leaf.
+    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
+      finite backs the scale off, as Keras does (the default). With
+      ``False`` such a step is skipped and the scale, its counter and
+      hysteresis stay as they were: a bad batch or a forward overflow is
+      not the scale's fault, and lowering the scale cannot help it.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -91,6 +101,8 @@ def unscale_and_check(
     max_scale=max_scale,
     hysteresis=hysteresis,
     axis_name=axis_name,
+    leaf_stats=leaf_stats,
+    backoff_on_nonfinite_loss=backoff_on_nonfinite_loss,
   )
   return _unscale_and_check_from_config(config)
 
@@ -99,8 +111,7 @@ def _unscale_and_check_from_config(
   config: LossScaleConfig,
 ) -> optax.GradientTransformationExtraArgs:
   def init_fn(params: optax.Params) -> LossScaleState:
-    del params
-    return init_loss_scale_state(config.initial_scale, config.dynamic)
+    return init_state(config, params)
 
   def update_fn(
     updates: optax.Updates,
@@ -108,13 +119,25 @@ def _unscale_and_check_from_config(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleState]:
-    del extra_args
-    unscaled, finite, new_state = unscale_check_adjust(
-      updates, state, config, params
+    unscaled, applied, new_state = unscale_check_adjust(
+      updates, state, config, params, extra_args.get("value")
     )
-    return _skip.zero_unless(finite, unscaled), new_state
+    return _skip.zero_unless(applied, unscaled), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
+  """The loss-scale state before the first step (with a count per leaf of
+  the gradients, shaped like `params`, when `config.leaf_stats`)."""
+  leaf_counts_like = None
+  if config.leaf_stats:
+    leaf_counts_like = params
+    if isinstance(params, optax.LookaheadParams):
+      leaf_counts_like = params.fast  # the gradients are the fast params'
+  return init_loss_scale_state(
+    config.initial_scale, config.dynamic, leaf_counts_like
+  )
 
 
 def unscale_check_adjust(
@@ -122,26 +145,61 @@ def unscale_check_adjust(
   state: LossScaleState,
   config: LossScaleConfig,
   params: Any = None,
+  value: Any = None,
 ) -> tuple[Any, jax.Array, LossScaleState]:
-  """Returns (unscaled updates, finite flag, next loss-scale state)."""
+  """Returns (unscaled updates, whether the step applies, next loss-scale
+  state). `value` is the step's unscaled loss, or None."""
   check_scalar_state(state)
   scale = state.loss_scale
   unscaled = unscale(updates, scale, params)
   if _config.scale_can_fall_below_one(config):
     # Dividing by a scale below 1 can overflow a finite gradient: check the
     # very values that are passed on.
-    finite = _finite.all_finite(unscaled)
+    verdict = _finite.check(unscaled, per_leaf=config.leaf_stats)
+    grads_code = verdict.code
   else:
     # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
     # incoming gradient decides, as it arrives: XLA then need not
     # materialize the quotient for the check. A scale below 1 can only come
     # from `set_loss_scale`; it counts as an overflow, and backoff returns
     # it to `min_scale`.
-    finite = _finite.all_finite(updates) & (scale >= 1)
-  finite = _finite.all_finite_across(finite, config.axis_name)
-  new_state = _rule.next_state(state, finite, config)
-  last_finite = _donation.last_finite_flag(state.last_finite, finite)
-  return unscaled, finite, new_state._replace(last_finite=last_finite)
+    verdict = _finite.check(updates, per_leaf=config.leaf_stats)
+    below_one = jnp.where(scale >= 1, _finite.FINITE, _finite.INF)
+    grads_code = lax.max(verdict.code, below_one.astype(_finite.CODE_DTYPE))
+  outcome = _agreed_outcome(grads_code, verdict, value, config)
+  new_state = _rule.next_state(state, outcome, config)
+  applied = new_state.last_finite
+  last_finite = _donation.last_finite_flag(state.last_finite, applied)
+  return unscaled, applied, new_state._replace(last_finite=last_finite)
+
+
+def _agreed_outcome(
+  grads_code: jax.Array,
+  verdict: _finite.Verdict,
+  value: Any,
+  config: LossScaleConfig,
+) -> _rule.Outcome:
+  """The step's outcome, the same on every replica of `axis_name`: the
+  codes of the gradients, of the loss and of each leaf travel together, as
+  one int32 vector."""
+  loss_code = (
+    jnp.zeros([], _finite.CODE_DTYPE)
+    if value is None
+    else _finite.check(value).code
+  )
+  codes = [grads_code[None], loss_code[None]]
+  if verdict.leaf_codes is not None:
+    codes.append(verdict.leaf_codes)
+  agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
+  leaf_notfinite = None
+  if verdict.leaf_codes is not None:
+    leaf_notfinite = list(agreed[2:] != _finite.FINITE)
+  return _rule.Outcome(
+    grads_finite=agreed[0] == _finite.FINITE,
+    grads_nan=agreed[0] == _finite.NAN,
+    loss_finite=agreed[1] == _finite.FINITE,
+    leaf_notfinite=leaf_notfinite,
+  )
 
 
 def unscale(updates: Any, loss_scale: jax.Array, params: Any = None) -> Any:

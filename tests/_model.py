@@ -19,6 +19,7 @@ class ModelConfig:
   min_scale: float = 1.0
   max_scale: float = float(np.finfo(np.float32).max)
   hysteresis: int = 1
+  backoff_on_nonfinite_loss: bool = True
 
 
 @dataclasses.dataclass
@@ -28,6 +29,9 @@ class ModelState:
   in_a_row: int = 0
   total: int = 0
   last_finite: bool = True
+  overflows_in_a_row: int = 0
+  nan_steps: int = 0
+  nonfinite_loss_steps: int = 0
 
 
 def f32(x: float) -> float:
@@ -39,18 +43,40 @@ def initial(config: ModelConfig) -> ModelState:
   return ModelState(scale=f32(config.initial_scale))
 
 
-def step(state: ModelState, finite: bool, config: ModelConfig) -> ModelState:
-  """One update call; float32 arithmetic for the scale, as the library."""
+def step(
+  state: ModelState,
+  finite: bool,
+  config: ModelConfig,
+  loss_finite: bool = True,
+  nan: bool = False,
+) -> ModelState:
+  """One update call; float32 arithmetic for the scale, as the library.
+
+  `finite`: the gradients' check; `nan`: whether they held a NaN;
+  `loss_finite`: the check of `value` (True when none is given).
+  """
   s = ModelState(**dataclasses.asdict(state))
-  s.last_finite = finite
-  if finite:
+  if config.backoff_on_nonfinite_loss:
+    applied, blamed = finite, not finite
+  else:
+    applied = finite and loss_finite
+    blamed = not finite and loss_finite
+  s.last_finite = applied
+  if applied:
     s.in_a_row = 0
+    s.overflows_in_a_row = 0
   else:
     s.in_a_row = min(s.in_a_row + 1, INT32_MAX)
     s.total = min(s.total + 1, INT32_MAX)
+    if nan:
+      s.nan_steps = min(s.nan_steps + 1, INT32_MAX)
+    if not loss_finite:
+      s.nonfinite_loss_steps = min(s.nonfinite_loss_steps + 1, INT32_MAX)
+    if blamed:
+      s.overflows_in_a_row = min(s.overflows_in_a_row + 1, INT32_MAX)
   if not config.dynamic:
     return s
-  if finite:
+  if applied:
     if s.counter + 1 >= config.growth_steps:
       grown = f32(s.scale * f32(config.growth_factor))
       if math.isfinite(grown) and grown <= config.max_scale:
@@ -58,9 +84,9 @@ def step(state: ModelState, finite: bool, config: ModelConfig) -> ModelState:
       s.counter = 0
     else:
       s.counter += 1
-  else:
+  elif blamed:
     s.counter = 0
-    if s.in_a_row >= config.hysteresis:
+    if s.overflows_in_a_row >= config.hysteresis:
       s.scale = max(
         f32(s.scale * f32(config.backoff_factor)), f32(config.min_scale)
       )

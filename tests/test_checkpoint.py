@@ -125,6 +125,12 @@ def test_flax_state_dict_named_fields(step):
     "notfinite_count",
     "total_notfinite",
     "last_finite",
+    "overflows_in_a_row",
+    "nan_steps",
+    "nonfinite_loss_steps",
+    "steps",
+    "recent_skips",
+    "leaf_notfinite",
   }
   assert float(d["loss_scale_state"]["loss_scale"]) == float(
     ols.loss_scale(opt_state)

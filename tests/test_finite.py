@@ -53,10 +53,27 @@ def elementwise_finite(tree):
   )
 
 
+def elementwise_code(tree):
+  """The check's code by definition: 2 for a NaN anywhere, else 1 for an
+  infinity anywhere, else 0."""
+  values = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+  if any(np.isnan(x).any() for x in values):
+    return _finite.NAN
+  return _finite.FINITE if elementwise_finite(tree) else _finite.INF
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(trees())
 def test_all_finite_matches_the_elementwise_definition(tree):
   assert bool(jax.jit(ols.all_finite)(tree)) == elementwise_finite(tree)
+  verdict = _check_per_leaf(tree)
+  assert int(verdict.code) == elementwise_code(tree)
+  assert [int(c) for c in verdict.leaf_codes] == [
+    elementwise_code(x) for x in jax.tree.leaves(tree)
+  ]
+
+
+_check_per_leaf = jax.jit(lambda tree: _finite.check(tree, per_leaf=True))
 
 
 _concatenated = jax.jit(
@@ -68,7 +85,7 @@ _concatenated = jax.jit(
 @given(trees())
 def test_the_concatenated_check_matches_the_elementwise_definition(tree):
   """The formulation lowered for GPU and TPU, run here on CPU."""
-  assert bool(_concatenated(tree)) == elementwise_finite(tree)
+  assert int(_concatenated(tree)) == elementwise_code(tree)
 
 
 def test_the_concatenated_check_sees_every_group_of_leaves():
@@ -82,9 +99,9 @@ def test_the_concatenated_check_sees_every_group_of_leaves():
     n - 1,
   ):
     tree = [jnp.ones(3)] * n
-    assert bool(_concatenated(tree))
+    assert int(_concatenated(tree)) == _finite.FINITE
     tree[bad] = jnp.array([1.0, np.inf, 1.0])
-    assert not bool(_concatenated(tree)), bad
+    assert int(_concatenated(tree)) == _finite.INF, bad
 
 
 @st.composite
@@ -113,9 +130,10 @@ _one_pass = jax.jit(_finite._one_pass)
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(same_shape_leaves())
 def test_leaves_read_together_match_the_elementwise_definition(leaves):
-  """The CPU form: the largest exponent over a group of leaves of one shape,
-  compared with the all-ones exponent, in one two-operand reduction."""
-  assert bool(_one_pass(leaves)) == elementwise_finite(leaves)
+  """The CPU form: the largest magnitude over a group of leaves of one
+  shape, read as integers and compared with inf's, in one two-operand
+  reduction."""
+  assert int(_one_pass(leaves)) == elementwise_code(leaves)
 
 
 def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
@@ -157,7 +175,8 @@ def test_the_formulation_is_chosen_when_lowering_for_a_platform():
   CPU reads the large leaves where they are, one two-operand reduction per
   group (the twenty leaves of one shape, the other shape, the small leaf),
   and concatenates no float data; lowering for GPU concatenates each
-  dtype's leaves and reduces each concatenation once."""
+  dtype's leaves and reduces each concatenation once, by the largest
+  magnitude read as integers."""
   tree, cpu = _lowered_ops("cpu")
   variadic = [op for op in cpu if op.name == "reduce" and op.results == 2]
   assert len(variadic) == 3
@@ -167,7 +186,7 @@ def test_the_formulation_is_chosen_when_lowering_for_a_platform():
 
   _, cuda = _lowered_ops("cuda")
   assert not [op for op in cuda if op.name == "reduce" and op.results > 1]
-  assert len([op for op in cuda if op.name == "is_finite"]) == 2  # by dtype
+  assert len([op for op in cuda if op.name == "reduce"]) == 2  # by dtype
   f32_elements = sum(
     x.size for x in jax.tree.leaves(tree) if x.dtype == jnp.float32
   )
@@ -255,7 +274,7 @@ def test_nan_in_a_large_leaf_is_found_wherever_it_is():
               }
             )
           ), (dtype, size, position, special)
-          assert not bool(
+          assert int(
             _concatenated(
               {
                 "v": jnp.ones(5, dtype),
@@ -263,7 +282,7 @@ def test_nan_in_a_large_leaf_is_found_wherever_it_is():
                 "x": jnp.ones(3, jnp.float32),
               }
             )
-          ), (dtype, size, position, special)
+          ) == elementwise_code(leaf), (dtype, size, position, special)
 
 
 def test_transposed_and_multi_dimensional_leaves_are_checked_whole():

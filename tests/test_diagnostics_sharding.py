@@ -1,0 +1,181 @@
+"""The diagnostics on meshes: per-leaf counts and the NaN/loss counters
+agree on every device, on `Explicit` and `Auto` meshes and under
+`shard_map` with `axis_name`; shardings stay plain optax's, and the per-leaf
+codes cross devices in one collective, not one per leaf."""
+
+import _hlo
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 8,
+  reason="needs 8 devices (on CPU, the test set-up makes them)",
+)
+
+SPECS = {
+  "w1": P("data", None),
+  "w2": P(None, "model"),
+  "w3": P("data", "model"),
+  "b": P(),
+}
+
+
+def tree_on(mesh, scale=1.0):
+  return {
+    name: jax.device_put(
+      scale * jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64) * (i + 1)
+      if name != "b"
+      else jnp.ones(64) * scale,
+      NamedSharding(mesh, spec),
+    )
+    for i, (name, spec) in enumerate(SPECS.items())
+  }
+
+
+def poisoned(tree, name, index, value):
+  host = np.array(tree[name])
+  host[index] = value
+  return {**tree, name: jax.device_put(host, tree[name].sharding)}
+
+
+def step_of(tx):
+  def step(params, state, grads, loss):
+    updates, state = tx.update(grads, state, params, value=loss)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step)
+
+
+def all_reduces(compiled):
+  return _hlo.hlo_opcodes(compiled)["all-reduce"]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_leaf_counts_on_a_mesh(axis_type):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    params = tree_on(mesh)
+    grads = tree_on(mesh, scale=2.0**10)
+    tx = ols.loss_scale_optimizer(
+      optax.adam(1e-2),
+      initial_scale=2.0**10,
+      leaf_stats=True,
+      backoff_on_nonfinite_loss=False,
+    )
+    plain = optax.adam(1e-2)
+    step = step_of(tx)
+    state = tx.init(params)
+    # A NaN in the last shard of w3, an inf in the first of w1, then a bad
+    # batch, then a finite step.
+    one = jnp.float32(1.0)
+    p1, state = step(
+      params, state, poisoned(grads, "w3", (63, 63), np.nan), one
+    )
+    p2, state = step(p1, state, poisoned(grads, "w1", (0, 0), np.inf), one)
+    p3, state = step(p2, state, grads, jnp.float32(np.nan))
+    p4, state = step(p3, state, grads, one)
+
+    counts = {k: int(v) for k, v in ols.nonfinite_leaves(state).items()}
+    assert counts == {"b": 0, "w1": 1, "w2": 0, "w3": 1}
+    stats = ols.skip_stats(state)
+    assert int(stats.total_skipped) == 3
+    assert int(stats.nan_steps) == 1
+    assert int(stats.nonfinite_loss_steps) == 1
+    assert float(ols.loss_scale(state)) == 2.0**8  # two backoffs, one held
+    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(params), strict=True):
+      np.testing.assert_array_equal(a, b)  # nothing applied before step 4
+
+    # Shardings are plain optax's.
+    plain_state = plain.init(params)
+    _, plain_state = jax.jit(plain.update)(grads, plain_state, params)
+    assert_same_shardings(state.inner_state, plain_state)
+    assert_same_shardings(p4, params)
+
+
+def assert_same_shardings(tree, expected):
+  for x, y in zip(
+    jax.tree.leaves(tree), jax.tree.leaves(expected), strict=True
+  ):
+    assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (
+      x.sharding,
+      y.sharding,
+    )
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_leaf_stats_add_no_collective(axis_type):
+  """The per-leaf codes cross devices as one vector: the step with
+  `leaf_stats` has no more all-reduces than the step without."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    params = tree_on(mesh)
+    counts = {}
+    for leaf_stats in (False, True):
+      tx = ols.loss_scale_optimizer(
+        optax.sgd(1e-2, momentum=0.9), leaf_stats=leaf_stats
+      )
+      compiled = (
+        step_of(tx)
+        .lower(params, tx.init(params), params, jnp.float32(1.0))
+        .compile()
+      )
+      counts[leaf_stats] = all_reduces(compiled)
+      gathering = _hlo.hlo_opcodes(compiled)
+      assert not any(
+        gathering[k] for k in ("all-gather", "all-to-all", "collective-permute")
+      )
+  assert counts[True] <= counts[False], counts
+
+
+def test_shard_map_with_axis_name_agrees_on_every_shard():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1),
+    initial_scale=4.0,
+    axis_name="d",
+    leaf_stats=True,
+    backoff_on_nonfinite_loss=False,
+  )
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+
+  def local_step(state, grads, loss):
+    # Each shard holds its own gradients and loss, as under pmap.
+    state, grads = jax.tree.map(lambda x: x[0], (state, grads))
+    _, state = tx.update(grads, state, params, value=loss[0])
+    return jax.tree.map(lambda x: x[None], state)
+
+  def run(grads, loss):
+    state = jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (8, *x.shape)), tx.init(params)
+    )
+    return jax.jit(
+      jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P("d"), P("d"), P("d")),
+        out_specs=P("d"),
+      )
+    )(state, grads, loss)
+
+  grads = {"w": jnp.ones((8, 3)), "b": jnp.ones((8, 2))}
+  grads["b"] = grads["b"].at[5, 1].set(jnp.nan)  # one shard's NaN
+  state = run(grads, jnp.ones(8))
+  counts = ols.nonfinite_leaves(state)  # one count per shard
+  np.testing.assert_array_equal(counts["b"], np.ones(8))
+  np.testing.assert_array_equal(counts["w"], np.zeros(8))
+  np.testing.assert_array_equal(ols.skip_stats(state).nan_steps, np.ones(8))
+  np.testing.assert_array_equal(ols.loss_scale(state), np.full(8, 2.0))
+
+  loss = jnp.ones(8).at[3].set(jnp.inf)  # one shard's bad batch
+  state = run({"w": jnp.ones((8, 3)), "b": jnp.ones((8, 2))}, loss)
+  stats = ols.skip_stats(state)
+  np.testing.assert_array_equal(stats.nonfinite_loss_steps, np.ones(8))
+  np.testing.assert_array_equal(stats.last_finite, np.zeros(8, bool))
+  np.testing.assert_array_equal(ols.loss_scale(state), np.full(8, 4.0))
