@@ -259,7 +259,9 @@ def test_merged_sweeps_are_in_grid_order_with_their_window():
   assert merged.window == (4.0, 16.0)
   assert merged.best_static == 16.0
   assert merged.landing == {"dyn 2**5 g20": Landing(2, 1, 1.0)}
+  # each part keeps its settings: the replica count of the sweep it is from
   assert merged.replicas is edges.replicas
+  assert merged.plan.replicas == 8
   assert merged.sawtooth is None
 
 

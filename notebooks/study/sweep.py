@@ -167,10 +167,33 @@ def _grid_order(r: RunResult) -> tuple[bool, float]:
   return (r.spec.scaling is Scaling.DYNAMIC, r.initial_scale if static else -1)
 
 
+def _plan_of_parts(
+  plan: SweepPlan,
+  sawtooth_from: SweepResult | None,
+  replicas_from: SweepResult | None,
+) -> SweepPlan:
+  """The plan with the sawtooth's and the replicas' settings of the
+  sweeps those parts come from, so that the report describes them."""
+  if sawtooth_from is not None:
+    plan = dataclasses.replace(
+      plan,
+      sawtooth_steps=sawtooth_from.plan.sawtooth_steps,
+      sawtooth=sawtooth_from.plan.sawtooth,
+    )
+  if replicas_from is not None:
+    plan = dataclasses.replace(
+      plan,
+      replicas=replicas_from.plan.replicas,
+      divergence=replicas_from.plan.divergence,
+    )
+  return plan
+
+
 def merge(results: list[SweepResult]) -> SweepResult:
   """One sweep from several of the same config (e.g. the grid and its
   edges run separately): the first result of each run's name, in grid
-  order; the first sawtooth and replicas parts found."""
+  order; the first sawtooth and replicas parts found, with their
+  settings."""
   grid: dict[str, RunResult] = {}
   for result in results:
     for name, r in result.runs.items():
@@ -181,7 +204,7 @@ def merge(results: list[SweepResult]) -> SweepResult:
   return finish(
     SweepResult(
       config=results[0].config,
-      plan=results[0].plan,
+      plan=_plan_of_parts(results[0].plan, saw, rep),
       runs=dict(ordered),
       sawtooth=None if saw is None else saw.sawtooth,
       replicas=None if rep is None else rep.replicas,
