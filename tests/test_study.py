@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -334,6 +335,24 @@ def test_the_script_runs_from_anywhere():
     check=True,
   )
   assert "--sweep" in done.stdout and "--merge" in done.stdout
+
+
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="what XLA does on CPU"
+)
+def test_cpu_float16_dot_accumulates_in_float32():
+  # notebooks/RESULTS.md and docs/study.md say this of the CPU runs: XLA
+  # converts a float16 product's operands to float32 and rounds the result
+  # once. 4096 ones sum to 4096 that way; a float16 accumulator stops at
+  # 2048, where float16's spacing becomes 2 and 2048 + 1 rounds to 2048.
+  ones = jnp.ones((8, 4096), jnp.float16)
+  product = ones @ ones.T
+  assert product.dtype == jnp.float16
+  assert np.all(np.asarray(product, np.float32) == 4096)
+  acc = np.float16(0)
+  for _ in range(4096):
+    acc = np.float16(acc + np.float16(1))
+  assert acc == 2048
 
 
 def test_notebook_executes_and_draws(tmp_path):
