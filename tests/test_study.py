@@ -1,18 +1,29 @@
-"""The float16 study (notebooks/fp16_study.py): its own claims, at a reduced
-size, and the notebook that shows them."""
+"""The float16 study (notebooks/study, run by notebooks/fp16_study.py): its
+own claims at a reduced size, its bookkeeping, and the notebook that shows
+it. The study runs on the session's default platform: only the script
+chooses one."""
 
+import dataclasses
+import doctest
+import importlib
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
-sys.path.insert(0, str(NOTEBOOKS))
+from notebooks.study import cli, results, runs, sweep, train
+from notebooks.study.config import Config, SweepPlan
+from notebooks.study.results import Landing, RunResult, SweepResult
+from notebooks.study.runs import RunSpec, Scaling
 
-import fp16_study as study  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
 
 # Reduced size: fewer steps than the default command, the same batch (the
 # 2**17-token mean is what makes plain float16 underflow: every per-token
@@ -32,161 +43,316 @@ LOW, HIGH = 2.0**2, 2.0**17
 
 
 @pytest.fixture(scope="module")
-def runs():
+def trained():
   # The main job's fast-growing run grows every 5 finite steps and first
   # overflows at step 31 of 40; here, in 30 steps, it grows every 3.
-  setup = study.prepare(STEPS, n_checkpoints=1, growth_steps=3)
-  specs = study.main_specs(setup["cfg"])
-  specs.update(
-    {
-      "static_high": study.static_spec(2.0**20),
-      # From below: growth every 3 finite steps climbs 10 octaves in 30.
-      "dyn_from_low": study.dynamic_spec(1.0, 3),
-      # From above, at the default growth interval: backoffs only.
-      "dyn_from_high": study.dynamic_spec(2.0**32),
-    }
+  setup = train.prepare(Config(steps=STEPS, n_checkpoints=1, growth_steps=3))
+  specs = (
+    *runs.main_specs(setup.config),
+    runs.static(2.0**20, "static_high"),
+    # From below: growth every 3 finite steps climbs 10 octaves in 30.
+    runs.dynamic(1.0, 3, "dyn_from_low"),
+    # From above, at the default growth interval: backoffs only.
+    runs.dynamic(2.0**32, name="dyn_from_high"),
   )
-  out = {
-    name: study.train(setup, spec, name=name) for name, spec in specs.items()
-  }
+  out = train.train_all(setup, specs)
   for name, r in out.items():  # shown with pytest -s
     print(
-      f"{name:<14} {r['eval_loss']:.4f} skipped {r['skipped_total']}"
-      f" backoffs {r['backoffs']} growths {r['growths']}"
-      f" final 2**{np.log2(r['final_scale']):g}"
+      f"{name:<15} {r.eval_loss:.4f} skipped {r.skipped_total}"
+      f" backoffs {r.backoffs} growths {r.growths}"
+      f" final 2**{np.log2(r.final_scale):g}"
     )
   return out
 
 
-def test_scales_in_the_window_match_float32(runs):
-  ref = runs["fp32"]["eval_loss"]
+def test_scales_in_the_window_match_float32(trained):
+  ref = trained["fp32"].eval_loss
   # static 2**10, and dynamic at the defaults (2**15, which never moves in
   # 30 steps: no overflow, and growth only after 2000 finite steps)
   for run, scale in (("fp16_static", 2.0**10), ("fp16_dynamic", 2.0**15)):
-    r = runs[run]
-    assert abs(r["eval_loss"] - ref) < MATCH_TOL, run
-    assert r["skipped_total"] == 0, run
-    assert np.all(r["scale"] == scale), run
-    assert r["act_flushed_mean"] < 0.01, run
+    r = trained[run]
+    assert abs(r.eval_loss - ref) < MATCH_TOL, run
+    assert r.skipped_total == 0, run
+    assert np.all(r.scale == scale), run
+    assert r.act_flushed_mean < 0.01, run
 
 
-def test_below_the_window_plain_float16_flushes_and_falls_behind(runs):
-  ref = runs["fp32"]["eval_loss"]
-  plain = runs["fp16"]
-  assert plain["eval_loss"] - ref > PLAIN_WORSE_BY
-  assert plain["eval_loss"] > runs["fp16_static"]["eval_loss"] + (
-    PLAIN_WORSE_BY
-  )
+def test_below_the_window_plain_float16_flushes_and_falls_behind(trained):
+  ref = trained["fp32"].eval_loss
+  plain = trained["fp16"]
+  assert plain.eval_loss - ref > PLAIN_WORSE_BY
+  assert plain.eval_loss > trained["fp16_static"].eval_loss + PLAIN_WORSE_BY
   # the cause: a real share of the activation gradients flush to zero,
   # next to none at 2**10; nothing overflows
-  assert plain["act_flushed_mean"] > 0.05
-  assert runs["fp16_static"]["act_flushed_mean"] < 0.01
-  assert plain["flush"][-1]["nonfinite"] == 0
-  assert plain["skipped_total"] == 0
+  assert plain.act_flushed_mean > 0.05
+  assert trained["fp16_static"].act_flushed_mean < 0.01
+  assert plain.flush[-1]["nonfinite"] == 0
+  assert plain.skipped_total == 0
 
 
-def test_above_the_window_every_step_overflows(runs):
-  high = runs["static_high"]
+def test_above_the_window_every_step_overflows(trained):
+  high = trained["static_high"]
   # every step overflows and is skipped, so the parameters never move: the
   # held-out loss is that of the initial model, far behind float32
-  assert high["skipped_total"] == STEPS
-  assert np.all(high["scale"] == 2.0**20)
-  assert high["eval_loss"] > runs["fp16"]["eval_loss"] + 1.0
+  assert high.skipped_total == STEPS
+  assert np.all(high.scale == 2.0**20)
+  assert high.eval_loss > trained["fp16"].eval_loss + 1.0
 
 
-def test_dynamic_lands_in_the_window_from_below(runs):
-  r = runs["dyn_from_low"]
-  assert r["growths"] >= 4
-  assert LOW <= r["final_scale"] <= HIGH
+def test_dynamic_lands_in_the_window_from_below(trained):
+  r = trained["dyn_from_low"]
+  assert r.growths >= 4
+  assert LOW <= r.final_scale <= HIGH
   # in the window, almost nothing flushes any more
-  assert r["act_flushed_mean"] < 0.05
+  assert r.act_flushed_mean < 0.05
   # every scale change was a doubling or a halving, each halving a skip
-  ratio = r["scale"][1:] / r["scale"][:-1]
+  ratio = r.scale[1:] / r.scale[:-1]
   assert set(np.unique(ratio)) <= {0.5, 1.0, 2.0}
-  assert r["backoffs"] == r["skipped_total"]
+  assert r.backoffs == r.skipped_total
 
 
-def test_dynamic_lands_in_the_window_from_above(runs):
-  r = runs["dyn_from_high"]
+def test_dynamic_lands_in_the_window_from_above(trained):
+  r = trained["dyn_from_high"]
   # it backs off once per overflowing step, straight down to the window,
   # and stays there (no growth at the default interval of 2000)
-  assert r["backoffs"] == r["skipped_total"] >= 32 - 17
-  assert r["growths"] == 0
-  assert LOW <= r["final_scale"] <= HIGH
-  first = int(np.argmax(r["scale"] <= HIGH))
-  assert np.all(r["skipped"][: first + 1])
-  assert not np.any(r["skipped"][first + 1 :])
-  assert r["final_scale"] == 2.0**32 / 2.0 ** r["skipped_total"]
+  assert r.backoffs == r.skipped_total >= 32 - 17
+  assert r.growths == 0
+  assert LOW <= r.final_scale <= HIGH
+  first = int(np.argmax(r.scale <= HIGH))
+  assert np.all(r.skipped[: first + 1])
+  assert not np.any(r.skipped[first + 1 :])
+  assert r.final_scale == 2.0**32 / 2.0**r.skipped_total
 
 
-def test_main_job_dynamic_grows_and_backs_off(runs):
-  r = runs["fp16_dynamic_g5"]
+def test_main_job_dynamic_grows_and_backs_off(trained):
+  r = trained["fp16_dynamic_g5"]
   # from the default 2**15, growth every 3 finite steps climbs to the
   # overflow edge and saws: both happen, each backoff is one skipped step
-  assert r["growths"] >= 1
-  assert r["backoffs"] >= 1
-  assert r["backoffs"] == r["skipped_total"]
-  prev = np.concatenate([[2.0**15], r["scale"][:-1]])
-  np.testing.assert_array_equal(r["scale"] < prev, r["skipped"])
+  assert r.growths >= 1
+  assert r.backoffs >= 1
+  assert r.backoffs == r.skipped_total
+  prev = np.concatenate([[2.0**15], r.scale[:-1]])
+  np.testing.assert_array_equal(r.scale < prev, r.skipped)
   np.testing.assert_array_equal(
-    r["scale"][r["scale"] > prev], 2 * prev[r["scale"] > prev]
+    r.scale[r.scale > prev], 2 * prev[r.scale > prev]
   )
   # and it ends at a usable scale, with next to nothing flushed (the
   # overflow edge rises as the gradients shrink during training: 2**17 at
   # the start, 2**20 to 2**21 by step 30)
-  assert LOW <= r["final_scale"] <= 2.0**22
-  assert r["act_flushed_mean"] < 0.01
+  assert LOW <= r.final_scale <= 2.0**22
+  assert r.act_flushed_mean < 0.01
 
 
-def test_window_from_a_sweep_record():
-  # find_window and landing on a synthetic sweep: exact.
-  ref = 2.0
+# ------------------------------------------------ runs, sweeps and records
 
-  def rec(loss, scales=(), skipped=()):
-    return {
-      "eval_loss": loss,
-      "scale": np.asarray(scales),
-      "skipped": np.asarray(skipped, bool),
-    }
 
-  static = {
-    1.0: rec(2.5),
-    4.0: rec(2.004),
-    16.0: rec(1.999),
-    64.0: rec(2.5),
-    256.0: rec(2.0),
-  }
-  assert study.find_window(static, ref, 0.005) == (4.0, 16.0)
-  assert study.find_window({1.0: rec(3.0)}, ref, 0.005) is None
-  r = rec(0, [32.0, 16.0, 8.0, 16.0, 8.0], [1, 1, 0, 0, 1])
-  assert study.landing(r, (4.0, 16.0)) == {"steps": 2, "skips": 2, "stays": 1.0}
-  assert study.landing(r, (64.0, 128.0)) is None
+def test_run_specs_say_what_they_are():
+  specs = {s.name: s for s in runs.main_specs(Config(replicas=4))}
+  assert tuple(specs) == runs.MAIN_RUNS
+  assert [s.scaling for s in specs.values()] == [
+    Scaling.NONE,
+    Scaling.NONE,
+    Scaling.STATIC,
+    Scaling.DYNAMIC,
+    Scaling.DYNAMIC,
+  ]
+  assert {s.replicas for s in specs.values()} == {4}
+  assert specs["fp32"].compute_dtype == jnp.float32
+  g5 = specs["fp16_dynamic_g5"]
+  assert (g5.initial_scale, g5.growth_steps) == (2.0**15, 5)
+  # None: loss_scale_optimizer's defaults
+  assert specs["fp16_dynamic"].initial_scale is None
+  with pytest.raises(ValueError, match="unscaled run"):
+    RunSpec("x", initial_scale=2.0)
+  with pytest.raises(ValueError, match="replicas"):
+    runs.fp16(replicas=0)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    g5.growth_steps = 7
+
+
+@pytest.mark.parametrize(
+  "module", ["config", "data", "runs", "train", "sweep", "report"]
+)
+def test_docstring_examples(module):
+  # pytest's --doctest-modules covers optax_lossscale/ and tests/ only
+  failed, attempted = doctest.testmod(
+    importlib.import_module(f"notebooks.study.{module}"),
+    optionflags=doctest.NORMALIZE_WHITESPACE,
+  )
+  assert attempted and not failed
+
+
+def _record(name, loss=2.0, scales=(1.0,), skipped=None, spec=None):
+  """A trained run's record without training: what the sweep's bookkeeping
+  reads."""
+  if spec is None:
+    spec = {"fp32": runs.fp32(), "fp16": runs.fp16()}.get(name)
+  if spec is None and name.startswith("static"):
+    spec = runs.static(scales[0], name)
+  if spec is None:
+    spec = runs.dynamic(scales[0], 20, name)
+  scales = np.asarray(scales, np.float32)
+  return RunResult(
+    spec=spec,
+    loss=np.full(len(scales), loss, np.float32),
+    scale=scales,
+    skipped=np.zeros(len(scales), bool)
+    if skipped is None
+    else np.asarray(skipped, bool),
+    eval_loss=loss,
+    eval_acc=0.5,
+    flush=[
+      {"step": len(scales)}
+      | dict.fromkeys(
+        ("flushed", "nonfinite", "act_flushed", "act_nonfinite"), float("nan")
+      )
+    ],
+    initial_scale=float(spec.initial_scale or 1.0),
+  )
+
+
+def test_window_and_landing():
+  losses = {1.0: 2.5, 4.0: 2.004, 16.0: 1.999, 64.0: 2.5, 256.0: 2.0}
+  assert sweep.find_window(losses, 2.0, 0.005) == (4.0, 16.0)
+  assert sweep.find_window({1.0: 3.0}, 2.0, 0.005) is None
+  scale = np.array([32.0, 16.0, 8.0, 16.0, 8.0])
+  skipped = np.array([1, 1, 0, 0, 1], bool)
+  assert sweep.landing(scale, skipped, (4.0, 16.0)) == Landing(2, 2, 1.0)
+  assert sweep.landing(scale, skipped, (64.0, 128.0)) is None
+
+
+def test_merged_sweeps_are_in_grid_order_with_their_window():
+  plan = SweepPlan(tol=0.005)
+
+  def part(*records, **extra):
+    return SweepResult(
+      config=Config(steps=3),
+      plan=plan,
+      runs={r.spec.name: r for r in records},
+      **extra,
+    )
+
+  grid = part(
+    _record("fp32"),
+    _record("static 2**4", 2.001, [16.0]),
+    _record("dyn 2**5 g20", 2.0, [32.0, 16.0, 16.0], [1, 0, 0]),
+    _record("static 2**0", 2.3, [1.0]),
+  )
+  edges = dataclasses.replace(
+    part(
+      _record("fp32", loss=9.0),  # a later record of a name is not kept
+      _record("static 2**2", 2.002, [4.0]),
+      _record("fp16", 2.3),
+      replicas={"fp32": _record("fp32")},
+    ),
+    plan=dataclasses.replace(plan, replicas=8),
+  )
+  merged = sweep.merge([grid, edges])
+  assert list(merged.runs) == [
+    "fp32",
+    "fp16",
+    "static 2**0",
+    "static 2**2",
+    "static 2**4",
+    "dyn 2**5 g20",
+  ]
+  assert merged.runs["fp32"].eval_loss == 2.0
+  assert merged.window == (4.0, 16.0)
+  assert merged.best_static == 16.0
+  assert merged.landing == {"dyn 2**5 g20": Landing(2, 1, 1.0)}
+  # each part keeps its settings: the replica count of the sweep it is from
+  assert merged.replicas is edges.replicas
+  assert merged.plan.replicas == 8
+  assert merged.sawtooth is None
 
 
 def test_json_round_trip(tmp_path):
-  out = {
-    "runs": {
-      "a": {
-        "loss": np.array([1.5, 2.0], np.float32),
-        "scale": np.array([4.0, 2.0]),
-        "skipped": np.array([False, True]),
-        "act_flushed_mean": float("nan"),
-        "flush": [{"step": 2, "nonfinite": float("nan")}],
-        "params": object(),
-      }
-    },
-    "window": (2.0, 8.0),
-  }
+  r = dataclasses.replace(
+    _record("dyn 2**2 g20", 2.5, [4.0, 2.0], [False, True]),
+    params={"w": np.zeros(3)},
+  )
+  out = sweep.finish(
+    SweepResult(
+      config=Config(steps=2),
+      plan=SweepPlan(),
+      runs={"fp32": _record("fp32", 2.5, [1.0, 1.0]), r.spec.name: r},
+    )
+  )
   path = tmp_path / "r.json"
-  path.write_text(json.dumps(study.to_json(out), allow_nan=False))
-  back = study.load_json(path)
-  r = back["runs"]["a"]
-  np.testing.assert_array_equal(r["loss"], [1.5, 2.0])
-  np.testing.assert_array_equal(r["skipped"], [False, True])
-  assert np.isnan(r["act_flushed_mean"])
-  assert np.isnan(r["flush"][0]["nonfinite"])
-  assert "params" not in r
-  assert back["window"] == (2.0, 8.0)
+  results.save(out, path, seconds=1.5)
+  saved = json.loads(path.read_text())  # strict JSON: NaN saved as null
+  assert saved["runs"][r.spec.name]["flush"][0]["act_flushed"] is None
+  assert "params" not in saved["runs"][r.spec.name]
+  back = results.load_sweep(path)
+  b = back.runs[r.spec.name]
+  assert b.spec == r.spec
+  np.testing.assert_array_equal(b.loss, r.loss)
+  np.testing.assert_array_equal(b.scale, r.scale)
+  np.testing.assert_array_equal(b.skipped, r.skipped)
+  assert (b.backoffs, b.skipped_total) == (1, 1)
+  assert np.isnan(b.act_flushed_mean)
+  assert b.params is None
+  assert back.config == out.config and back.plan == out.plan
+  assert back.window is None and back.landing is None
+
+
+def test_committed_sweep_reads_back_typed():
+  # notebooks/figures/fp16_sweep.json was saved before runs had a type:
+  # its specs are dicts, read into RunSpecs without parsing any name.
+  out = results.load_sweep(NOTEBOOKS / "figures" / "fp16_sweep.json")
+  assert out.window == (2.0**2, 2.0**17)
+  assert out.runs["static 2**4"].spec == runs.static(16.0)
+  assert out.runs["dyn 2**32 g2000"].spec == runs.dynamic(2.0**32)
+  assert out.replicas is not None and out.sawtooth is not None
+  assert out.replicas["fp16"].spec == runs.fp16()
+  assert sweep.finish(out).window == out.window
+  from_above = out.landing["dyn 2**32 g20"]
+  assert (from_above.steps, from_above.skips) == (15, 15)
+
+
+def test_command_line_flags():
+  args = cli.parser().parse_args(
+    ["--sweep", "--steps", "6", "--parts", "static,sawtooth", "--scales", "1"]
+  )
+  plan = cli.plan_from(args)
+  assert (plan.steps, plan.sawtooth_steps) == (6, 18)
+  assert (plan.static_log2, plan.dynamic, plan.replicas) == ((1,), (), 0)
+  args = cli.parser().parse_args(["--short", "--replicas", "4"])
+  assert (cli.config_from(args).steps, cli.config_from(args).replicas) == (
+    10,
+    4,
+  )
+
+
+def test_the_script_runs_from_anywhere():
+  # The README's command runs the script by its path; it finds the study
+  # package beside it whatever the working directory.
+  done = subprocess.run(
+    [sys.executable, str(NOTEBOOKS / "fp16_study.py"), "--help"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT / "tests",
+    check=True,
+  )
+  assert "--sweep" in done.stdout and "--merge" in done.stdout
+
+
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="what XLA does on CPU"
+)
+def test_cpu_float16_dot_accumulates_in_float32():
+  # notebooks/RESULTS.md and docs/study.md say this of the CPU runs: XLA
+  # converts a float16 product's operands to float32 and rounds the result
+  # once. 4096 ones sum to 4096 that way; a float16 accumulator stops at
+  # 2048, where float16's spacing becomes 2 and 2048 + 1 rounds to 2048.
+  ones = jnp.ones((8, 4096), jnp.float16)
+  product = ones @ ones.T
+  assert product.dtype == jnp.float16
+  assert np.all(np.asarray(product, np.float32) == 4096)
+  acc = np.float16(0)
+  for _ in range(4096):
+    acc = np.float16(acc + np.float16(1))
+  assert acc == 2048
 
 
 def test_notebook_executes_and_draws(tmp_path):
@@ -201,7 +367,9 @@ def test_notebook_executes_and_draws(tmp_path):
     for k in ("FP16_STUDY_STEPS", "FP16_STUDY_BATCH", "JAX_PLATFORMS")
   }
   # Small: this checks that the notebook runs and draws, not the numbers.
-  # The sweep's figures are drawn from the committed sweep results.
+  # The sweep's figures are drawn from the committed sweep results. CPU:
+  # the kernel is a fresh process, which would otherwise take whatever
+  # accelerator the machine has.
   os.environ.update(
     FP16_STUDY_STEPS="10", FP16_STUDY_BATCH="8192", JAX_PLATFORMS="cpu"
   )
