@@ -43,12 +43,13 @@ def _run(script: pathlib.Path) -> tuple[str, dict]:
   return proc.stdout, json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def test_the_four_examples_are_there():
+def test_the_five_examples_are_there():
   names = [p.name for p in EXAMPLES]
   assert any(n.startswith("nnx_") and "mnist" not in n for n in names)
   assert any(n.startswith("linen_trainstate_") for n in names)
   assert any(n.startswith("equinox_") for n in names)
   assert "nnx_mnist_tutorial_fp16.py" in names
+  assert "nnx_gpt_fp16.py" in names
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,23 @@ def test_converted_tutorial_learns_the_digits():
 def test_nnx_example_sets_the_scale_on_the_split_state():
   _, result = _run(ROOT / "examples" / "nnx_mlp_fp16.py")
   assert result["loss_scale"] == 1024.0
+
+
+def test_gpt_example_trains_sharded_and_tracks_float32():
+  stdout, result = _run(ROOT / "examples" / "nnx_gpt_fp16.py")
+  # The MLP's first kernel is split by columns over the mesh's "model" axis.
+  assert result["kernel_spec"] == ["None", "model"]
+  # Same initialization and batches: float16 with loss scaling ends within
+  # a few percent of float32 (they differ by rounding and skipped steps).
+  f32 = result["float32_last_loss"]
+  assert abs(result["last_loss"] - f32) < 0.05 * f32, stdout
+  assert result["first_loss"] == pytest.approx(
+    result["float32_first_loss"], rel=0.01
+  )
+  # What the scale did is reported; with hysteresis 1 every skipped step
+  # is one backoff (the scale stays far above its minimum here).
+  assert result["backoffs"] == result["skipped"]
+  assert result["growths"] >= 1  # grows every 50 finite steps
+  # nnx.Optimizer.step counts every call, skipped or not.
+  assert result["optimizer_step"] == result["steps"]
+  assert "backoffs" in stdout and "growths" in stdout

@@ -1,0 +1,304 @@
+"""A small GPT in Flax NNX: float16, loss scaling, a data x model mesh.
+
+A decoder-only transformer language model at the character level, trained
+on the Zen of Python (``this.s``, rot13-decoded: text that ships with
+Python), its parameters sharded with ``nnx.with_partitioning`` over a 4x2
+``("data", "model")`` mesh in the style of the JAX AI Stack's miniGPT
+tutorial. Where each part computes (``docs/recipes.md`` gives the reasons):
+
+- float16: the matrix products (the q/k/v and output projections, the
+  MLP, the language-model head), through each layer's ``dtype``;
+- float32: the master weights and the optimizer state (``param_dtype``),
+  the embedding lookup and the residual stream, the layer norms, the
+  attention logits and softmax (``attention_float32_softmax``, which also
+  avoids the float16 path of ``jax.nn.dot_product_attention`` that XLA on
+  CPU refuses to compile), and the loss.
+
+The same model, initialization and batches are then trained in float32
+with the plain optimizer, and the two runs' losses are printed side by
+side, with what the loss scale did (backoffs, growths, skipped steps).
+
+On CPU the script asks for 8 host-platform devices before jax starts; with
+8 or more accelerators it uses them instead.
+
+Run: ``python examples/nnx_gpt_fp16.py [--tiny]``.
+"""
+
+import os
+
+# Before jax starts its backend: 8 CPU devices for the 4x2 mesh.
+if "--xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  )
+
+import argparse
+import codecs
+import contextlib
+import io
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_lossscale as ols
+
+MESH_SHAPE = (4, 2)  # ("data", "model")
+
+
+def load_text() -> str:
+  """The Zen of Python; `import this` prints it, so its output is dropped."""
+  with contextlib.redirect_stdout(io.StringIO()):
+    import this
+  return codecs.decode(this.s, "rot13")
+
+
+def make_mesh() -> jax.sharding.Mesh:
+  n = MESH_SHAPE[0] * MESH_SHAPE[1]
+  devices = jax.devices()
+  if len(devices) < n:  # one GPU, say: the host's CPU devices instead
+    devices = jax.devices("cpu")
+  return jax.make_mesh(
+    MESH_SHAPE,
+    ("data", "model"),
+    axis_types=(AxisType.Auto, AxisType.Auto),
+    devices=devices[:n],
+  )
+
+
+def attention_float32_softmax(query, key, value, mask=None, **unused):
+  """Attention for ``nnx.MultiHeadAttention(attention_fn=...)``: the logits
+  and the softmax in float32, the two products on float16 operands.
+
+  The products' operands stay in the layer's ``dtype``; the logits come out
+  of the first product in float32 (``preferred_element_type``), so neither
+  the scaled dot products nor the softmax's exponentials round to float16.
+  The probabilities go back to ``value``'s dtype for the second product.
+  Dropout and ``is_causal`` (in ``unused``) are not supported: the mask is
+  passed explicitly.
+  """
+  depth = query.shape[-1]
+  logits = jnp.einsum(
+    "...qhd,...khd->...hqk", query, key, preferred_element_type=jnp.float32
+  ) / np.sqrt(depth).astype(np.float32)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("...hqk,...khd->...qhd", probs.astype(value.dtype), value)
+
+
+def sharded(init, *names):
+  """An initializer whose Variable carries its mesh axes."""
+  return nnx.with_partitioning(init, names)
+
+
+DENSE = nnx.initializers.lecun_normal()
+ONES, ZEROS = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
+
+
+def layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  # float32 statistics and output: the variance is a mean of squares.
+  return nnx.LayerNorm(
+    d,
+    dtype=jnp.float32,
+    scale_init=sharded(ONES, "model"),
+    bias_init=sharded(ZEROS, "model"),
+    rngs=rngs,
+  )
+
+
+def linear(din, dout, dtype, axes, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+    din,
+    dout,
+    dtype=dtype,
+    kernel_init=sharded(DENSE, *axes),
+    bias_init=sharded(ZEROS, "model"),
+    rngs=rngs,
+  )
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block; the residual stream is float32."""
+
+  def __init__(self, d: int, heads: int, dtype, *, rngs: nnx.Rngs):
+    self.norm1 = layer_norm(d, rngs)
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=heads,
+      in_features=d,
+      dtype=dtype,  # q/k/v and output projections in float16
+      kernel_init=sharded(DENSE, None, "model", None),  # heads on "model"
+      out_kernel_init=sharded(DENSE, "model", None, None),
+      bias_init=sharded(ZEROS, "model", None),
+      out_bias_init=sharded(ZEROS, "model"),
+      attention_fn=attention_float32_softmax,
+      decode=False,
+      rngs=rngs,
+    )
+    self.norm2 = layer_norm(d, rngs)
+    # Megatron-style: the first layer split by columns, the second by rows.
+    self.up = linear(d, 4 * d, dtype, (None, "model"), rngs)
+    self.down = linear(4 * d, d, dtype, ("model", None), rngs)
+
+  def __call__(self, x, mask):
+    # Each branch computes in float16 and is added back in float32.
+    x = x + self.attn(self.norm1(x), mask=mask).astype(jnp.float32)
+    h = self.down(nnx.gelu(self.up(self.norm2(x))))
+    return x + h.astype(jnp.float32)
+
+
+class GPT(nnx.Module):
+  def __init__(
+    self, vocab, block_size, d, heads, layers, dtype, *, rngs: nnx.Rngs
+  ):
+    embed = nnx.initializers.normal(0.02)
+    # The lookups stay float32 (no `dtype`): they start the float32
+    # residual stream, and their gradients are summed per token in float32.
+    self.tokens = nnx.Embed(
+      vocab, d, embedding_init=sharded(embed, None, "model"), rngs=rngs
+    )
+    self.positions = nnx.Embed(
+      block_size, d, embedding_init=sharded(embed, None, "model"), rngs=rngs
+    )
+    self.blocks = nnx.List(
+      [Block(d, heads, dtype, rngs=rngs) for _ in range(layers)]
+    )
+    self.norm = layer_norm(d, rngs)
+    # The logits come out in float16; the loss casts them to float32.
+    self.head = linear(d, vocab, dtype, (None, "model"), rngs)
+
+  def __call__(self, tokens):
+    mask = nnx.make_causal_mask(tokens, dtype=jnp.bool_)
+    x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[-1]))
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.norm(x))
+
+
+def loss_fn(model: GPT, inputs, targets):
+  logits = model(inputs).astype(jnp.float32)  # the loss in float32
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_batches(ids: np.ndarray, steps, batch, block_size, seed=0):
+  """Random windows of the text: (inputs, next characters), per step."""
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(ids) - block_size - 1, size=(steps, batch))
+  windows = starts[..., None] + np.arange(block_size + 1)
+  seqs = ids[windows]  # [steps, batch, block_size + 1]
+  return seqs[..., :-1], seqs[..., 1:]
+
+
+def train(config, dtype, tx, batches, mesh, *, loss_scaled: bool):
+  """Trains a fresh GPT (the same initialization for every call); returns
+  the model, the optimizer, the loss of each step and, when loss-scaled,
+  the scale before the first step and after each."""
+  with jax.set_mesh(mesh):
+
+    @nnx.jit
+    def create():
+      # Each Variable is placed on the mesh by its axes as it is created;
+      # under jit, in one compiled program rather than op by op.
+      model = GPT(**config, dtype=dtype, rngs=nnx.Rngs(0))
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, optimizer = create()
+
+    @nnx.jit
+    def train_step(model, optimizer, inputs, targets):
+      if loss_scaled:
+        grad_fn = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)
+        loss, grads = grad_fn(optimizer, model, inputs, targets)
+      else:
+        loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+      optimizer.update(model, grads)
+      return loss
+
+    data = NamedSharding(mesh, P("data", None))  # batch split over "data"
+    losses, scales = [], []
+    for inputs, targets in zip(*batches, strict=True):
+      if loss_scaled:
+        scales.append(float(ols.loss_scale(optimizer)))
+      inputs, targets = jax.device_put((inputs, targets), data)
+      losses.append(float(train_step(model, optimizer, inputs, targets)))
+    if loss_scaled:
+      scales.append(float(ols.loss_scale(optimizer)))
+  return model, optimizer, losses, scales
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true", help="a quick run")
+  args = parser.parse_args(argv)
+  steps, batch, block_size, d, layers = (
+    (120, 16, 32, 64, 2) if args.tiny else (600, 32, 64, 128, 4)
+  )
+  text = load_text()
+  chars = sorted(set(text))
+  ids = np.array([chars.index(c) for c in text], np.int32)
+  # The vocabulary padded to a multiple of the "model" axis, so that the
+  # head's columns split evenly.
+  vocab = -(-len(chars) // MESH_SHAPE[1]) * MESH_SHAPE[1]
+  config = dict(vocab=vocab, block_size=block_size, d=d, heads=4, layers=layers)
+  batches = make_batches(ids, steps, batch, block_size)
+  mesh = make_mesh()
+
+  # Grows after 50 finite steps in a row instead of Keras's 2000, so that a
+  # run this short shows the rule at work.
+  tx16 = ols.loss_scale_optimizer(optax.adam(3e-3), dynamic_growth_steps=50)
+  model, optimizer, losses, scales = train(
+    config, jnp.float16, tx16, batches, mesh, loss_scaled=True
+  )
+  _, _, losses32, _ = train(
+    config, jnp.float32, optax.adam(3e-3), batches, mesh, loss_scaled=False
+  )
+
+  report_every = max(steps // 5, 1)
+  for step in range(steps):
+    if step % report_every == 0 or step == steps - 1:
+      print(
+        f"step {step:4d}  loss {losses[step]:.4f}"
+        f"  float32 {losses32[step]:.4f}  scale {scales[step + 1]:.0f}"
+      )
+  growths = sum(b > a for a, b in itertools.pairwise(scales))
+  backoffs = sum(b < a for a, b in itertools.pairwise(scales))
+  stats = ols.skip_stats(optimizer)
+  print(
+    f"loss scale {scales[0]:.0f} -> {scales[-1]:.0f}: {backoffs} backoffs,"
+    f" {growths} growths, {int(stats.total_skipped)} of {steps} steps"
+    " skipped"
+  )
+  print(
+    f"last 10 steps' mean loss: float16 {np.mean(losses[-10:]):.4f},"
+    f" float32 {np.mean(losses32[-10:]):.4f}"
+  )
+  kernel = model.blocks[0].up.kernel
+  result = {
+    "first_loss": float(np.mean(losses[:10])),
+    "last_loss": float(np.mean(losses[-10:])),
+    "float32_first_loss": float(np.mean(losses32[:10])),
+    "float32_last_loss": float(np.mean(losses32[-10:])),
+    "loss_scale": scales[-1],
+    "skipped": int(stats.total_skipped),
+    "backoffs": backoffs,
+    "growths": growths,
+    "optimizer_step": int(optimizer.step[...]),
+    "master_dtype": str(kernel[...].dtype),
+    "kernel_spec": [str(a) for a in kernel[...].sharding.spec],
+    "steps": steps,
+  }
+  print("RESULT " + json.dumps(result))
+  return result
+
+
+if __name__ == "__main__":
+  main()
