@@ -1,5 +1,5 @@
 """What several test modules share: trees, inner optimizers, the training
-step, a tree-equality assertion, and the patches of private names.
+steps, a tree-equality assertion, and the patches of private names.
 
 The private names that tests patch are named here and nowhere else, so that
 a change to the package's private modules is met in one place.
@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import optax_lossscale as ols
 from optax_lossscale import _finite, _skip
 
-# Two leaves of different shapes, for the skip's and the sweep's tests.
+# Parameters and gradients of two leaves of different shapes.
 PARAMS = {
   "w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
   "b": jnp.linspace(0.5, 1.0, 4),
@@ -46,6 +47,18 @@ def train_step(tx):
   applied."""
 
   def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def loss_step(tx, loss):
+  """`step(params, state, x) -> (params, state)`: the gradients of
+  `loss(params, x)` through `ols.value_and_grad`, `tx`'s update applied."""
+
+  def step(params, state, x):
+    _, grads = ols.value_and_grad(loss)(state, params, x)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 

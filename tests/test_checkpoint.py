@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import assert_trees_equal
+from _helpers import assert_trees_equal, loss_step
 from flax import serialization
 
 import optax_lossscale as ols
@@ -40,15 +40,7 @@ def _x(i):
 
 @pytest.fixture(scope="module")
 def step():
-  tx = _tx()
-
-  @jax.jit
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return step
+  return jax.jit(loss_step(_tx(), _loss))
 
 
 def _run(step, params, opt_state, start, stop):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_equal
+from _helpers import assert_trees_equal, loss_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -211,15 +211,6 @@ def test_shard_map_without_axis_name_shards_diverge():
   assert scales[6] == 2.0**9 and scales[0] == 2.0**10
 
 
-def _jit_step(tx):
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.jit(step)
-
-
 def test_jit_named_sharding_data_parallel_global_skip():
   mesh = _mesh("data")
   rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -228,7 +219,7 @@ def test_jit_named_sharding_data_parallel_global_skip():
   )  # no axis_name
   params = jax.device_put(_params(), rep)
   state = jax.device_put(tx.init(_params()), rep)
-  step = _jit_step(tx)
+  step = jax.jit(loss_step(tx, _loss))
 
   def xs(poison):
     return jax.device_put(_batch(poison).reshape(N * 2, 3), data)
@@ -262,11 +253,7 @@ def test_jit_sharded_params_and_optimizer_state():
   def loss(p, x):
     return jnp.sum((p["w"] * x) ** 2)
 
-  @jax.jit
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  step = jax.jit(loss_step(tx, loss))
 
   x = jax.device_put(jnp.ones(N * 4), NamedSharding(mesh, P("model")))
   p1, s1 = step(params, state, x)
