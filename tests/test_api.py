@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import train_step
 
 import optax_lossscale as ols
 
@@ -55,11 +56,7 @@ def test_state_dtypes_are_fixed():
 def test_jitted_step_does_not_retrace():
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
 
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+  step = jax.jit(chex.assert_max_traces(train_step(tx), n=1))
 
   params, state = PARAMS, tx.init(PARAMS)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 3.0), PARAMS)

@@ -4,10 +4,10 @@ serialization has named fields, and a plain-optax checkpoint migrates."""
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _helpers import assert_trees_equal, loss_step
 from flax import serialization
 
 import optax_lossscale as ols
@@ -40,29 +40,13 @@ def _x(i):
 
 @pytest.fixture(scope="module")
 def step():
-  tx = _tx()
-
-  @jax.jit
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return step
+  return jax.jit(loss_step(_tx(), _loss))
 
 
 def _run(step, params, opt_state, start, stop):
   for i in range(start, stop):
     params, opt_state = step(params, opt_state, _x(i))
   return params, opt_state
-
-
-def _assert_bit_identical(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
 
 
 @pytest.mark.parametrize("save_at", [3, 5])  # 5: inside the overflow streak
@@ -93,7 +77,7 @@ def test_orbax_resume_is_bit_identical(tmp_path, step, save_at):
   resumed = _run(
     step, restored["params"], restored["opt_state"], save_at, N_STEPS
   )
-  _assert_bit_identical(resumed, full)
+  assert_trees_equal(resumed, full)
   # The run really exercised the rule: backoffs, growth, skips.
   assert int(ols.skip_stats(full[1]).total_skipped) == len(BAD)
 
@@ -109,7 +93,7 @@ def test_pytree_checkpointer_roundtrip(tmp_path, step):
     item=target,
     restore_args=ocp.checkpoint_utils.construct_restore_args(target),
   )["opt_state"]
-  _assert_bit_identical(restored, opt_state)
+  assert_trees_equal(restored, opt_state)
   assert type(restored) is ols.LossScaleOptimizerState
   assert float(ols.loss_scale(restored)) == float(ols.loss_scale(opt_state))
 
@@ -138,7 +122,7 @@ def test_flax_state_dict_named_fields(step):
   # And back, through msgpack bytes.
   blob = serialization.to_bytes(opt_state)
   back = serialization.from_bytes(tx.init(_params()), blob)
-  _assert_bit_identical(back, opt_state)
+  assert_trees_equal(back, opt_state)
 
 
 def test_static_scale_state_checkpoints(tmp_path):
@@ -151,7 +135,7 @@ def test_static_scale_state_checkpoints(tmp_path):
     tx.init(_params()), serialization.to_bytes(state)
   )
   assert ols.dynamic_counter(back) is None
-  _assert_bit_identical(back, state)
+  assert_trees_equal(back, state)
 
 
 def test_migrate_plain_optax_checkpoint(tmp_path):
@@ -188,7 +172,7 @@ def test_migrate_plain_optax_checkpoint(tmp_path):
     loss_scale_state=tx.init(restored["params"]).loss_scale_state,
     inner_state=restored["opt_state"],
   )
-  _assert_bit_identical(alt, opt_state)
+  assert_trees_equal(alt, opt_state)
   assert float(ols.loss_scale(opt_state)) == 2.0**15
   assert int(ols.dynamic_counter(opt_state)) == 0
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal
 
 import optax_lossscale as ols
 
@@ -27,14 +28,11 @@ def _bad(scale=1.0):
   return jax.tree.map(lambda x: x.at[..., 0].set(jnp.nan), _grads(scale))
 
 
-def _assert_trees_close(a, b, exact=False):
+def _assert_trees_close(a, b):
   ja, jb = jax.tree.structure(a), jax.tree.structure(b)
   assert ja == jb, (ja, jb)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    if exact:
-      np.testing.assert_array_equal(x, y)
-    else:
-      np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
 def _run(tx, grads_seq, params=None, scaled=True):
@@ -64,8 +62,8 @@ def test_clip_inside_sees_unscaled_gradients():
     inner(), [lambda s: _grads(big=True)] * 3, scaled=False
   )
   # S is a power of two: unscaling is exact, so the results are identical.
-  _assert_trees_close(got_params, ref_params, exact=True)
-  _assert_trees_close(got_state.inner_state, ref_state, exact=True)
+  assert_trees_equal(got_params, ref_params, bitwise=False)
+  assert_trees_equal(got_state.inner_state, ref_state, bitwise=False)
 
 
 def test_clip_inside_with_non_power_of_two_scale_f32_close():
@@ -94,7 +92,9 @@ def test_clip_inside_never_sees_nonfinite():
   state = tx.init(params)
   updates, state = tx.update(_bad(S), state, params)
   assert all(bool(ols.all_finite(t)) for t in seen)
-  _assert_trees_close(updates, jax.tree.map(jnp.zeros_like, params), exact=True)
+  assert_trees_equal(
+    updates, jax.tree.map(jnp.zeros_like, params), bitwise=False
+  )
 
 
 def test_clip_outside_is_wrong_order():
@@ -130,8 +130,8 @@ def test_chain_outside_post_transform_and_lookup():
   assert float(ols.loss_scale(state)) == S
   assert float(ols.scale_loss(jnp.float32(2.0), state)) == 2 * S
   updates, state = tx.update(_grads(S), state, params)
-  _assert_trees_close(
-    updates, jax.tree.map(lambda g: -0.5 * g, _grads()), exact=True
+  assert_trees_equal(
+    updates, jax.tree.map(lambda g: -0.5 * g, _grads()), bitwise=False
   )
   updates, state = tx.update(_bad(S), state, params)
   assert float(ols.loss_scale(state)) == S / 2
@@ -182,7 +182,7 @@ def test_inject_hyperparams_inside_learning_rate_get_and_set():
   # A skipped step leaves the hyperparameters and the inner count alone.
   before = state.inner_state
   _, state = tx.update(_bad(S), state, params)
-  _assert_trees_close(state.inner_state, before, exact=True)
+  assert_trees_equal(state.inner_state, before, bitwise=False)
   # And it works under jit, with the learning rate changed between calls.
   step = jax.jit(tx.update)
   state = optax.tree_utils.tree_set(state, learning_rate=jnp.asarray(0.25))
@@ -257,7 +257,7 @@ def test_multi_transform_inside_is_right():
     [lambda s: _grads()],
     scaled=False,
   )
-  _assert_trees_close(params, ref, exact=True)
+  assert_trees_equal(params, ref, bitwise=False)
   assert float(ols.loss_scale(state)) == S / 2
 
 
@@ -322,9 +322,9 @@ def test_multisteps_inside_overflowing_microbatch_skipped_entirely():
   assert int(after_good.mini_step) == 1
   # an overflowing micro-batch: skipped entirely, the scale backs off
   u, state = jax.jit(tx.update)(_bad(ols.loss_scale(state)), state, params)
-  _assert_trees_close(_ms_state(state), after_good, exact=True)
+  assert_trees_equal(_ms_state(state), after_good, bitwise=False)
   assert float(ols.loss_scale(state)) == S / 2
-  _assert_trees_close(u, jax.tree.map(jnp.zeros_like, params), exact=True)
+  assert_trees_equal(u, jax.tree.map(jnp.zeros_like, params), bitwise=False)
   # micro-batches 1 and 2, at the new scale: the window completes
   for m in micro[1:]:
     scale = ols.loss_scale(state)
@@ -339,8 +339,8 @@ def test_multisteps_inside_overflowing_microbatch_skipped_entirely():
   rstate = ref.init(params)
   for m in micro:
     ru, rstate = jax.jit(ref.update)(m, rstate, params)
-  _assert_trees_close(u, ru, exact=True)
-  _assert_trees_close(_ms_state(state), rstate, exact=True)
+  assert_trees_equal(u, ru, bitwise=False)
+  assert_trees_equal(_ms_state(state), rstate, bitwise=False)
 
 
 def test_multisteps_inside_never_stalls_never_poisons():
@@ -392,7 +392,7 @@ def test_multisteps_outside_nan_poisons_accumulator_forever():
     params = optax.apply_updates(params, u)
     if i >= 1:
       assert not bool(ols.all_finite(state.acc_grads))  # poisoned
-  _assert_trees_close(params, start, exact=True)  # nothing ever applied
+  assert_trees_equal(params, start, bitwise=False)  # nothing ever applied
   n_windows = len(seq) // K
   assert int(state.gradient_step) == n_windows  # MultiSteps counts on
   assert int(ols.skip_stats(state).total_skipped) == n_windows
@@ -419,7 +419,7 @@ def test_multisteps_outside_scale_constant_within_window():
   rstate = ref.init(params)
   for _ in range(2 * K):
     ru, rstate = jax.jit(ref.update)(_grads(), rstate, params)
-  _assert_trees_close(u, ru, exact=True)
+  assert_trees_equal(u, ru, bitwise=False)
 
 
 def test_multisteps_outside_with_skip_not_finite_never_backs_off():

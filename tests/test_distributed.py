@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal, loss_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,14 +83,8 @@ def test_pmap_axis_name_every_replica_skips():
   p1, s1 = step(params, opt_state, _batch())
   assert not np.array_equal(p1["w"], params["w"])
   p2, s2 = step(p1, s1, _batch(poison_replica=3))
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
-    np.testing.assert_array_equal(a, b)  # every replica skipped
-  for a, b in zip(
-    jax.tree.leaves(s2.inner_state),
-    jax.tree.leaves(s1.inner_state),
-    strict=True,
-  ):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(p2, p1, bitwise=False)  # every replica skipped
+  assert_trees_equal(s2.inner_state, s1.inner_state, bitwise=False)
   np.testing.assert_array_equal(s2.loss_scale_state.loss_scale, 2.0**9)
   assert not np.any(s2.loss_scale_state.last_finite)
   assert _same_across_replicas(s2.loss_scale_state)
@@ -168,8 +163,7 @@ def test_shard_map_axis_name_every_shard_skips():
   p1, s1 = step(params, state, _batch())
   assert not np.array_equal(p1["w"], params["w"])
   p2, s2 = step(p1, s1, _batch(poison_replica=6))
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(p2, p1, bitwise=False)
   assert float(ols.loss_scale(s2)) == 2.0**9
   assert int(ols.skip_stats(s2).total_skipped) == 1
 
@@ -217,15 +211,6 @@ def test_shard_map_without_axis_name_shards_diverge():
   assert scales[6] == 2.0**9 and scales[0] == 2.0**10
 
 
-def _jit_step(tx):
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(_loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.jit(step)
-
-
 def test_jit_named_sharding_data_parallel_global_skip():
   mesh = _mesh("data")
   rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -234,15 +219,15 @@ def test_jit_named_sharding_data_parallel_global_skip():
   )  # no axis_name
   params = jax.device_put(_params(), rep)
   state = jax.device_put(tx.init(_params()), rep)
-  step = _jit_step(tx)
+  step = jax.jit(loss_step(tx, _loss))
 
   def xs(poison):
     return jax.device_put(_batch(poison).reshape(N * 2, 3), data)
 
   p1, s1 = step(params, state, xs(None))
   p2, s2 = step(p1, s1, xs(4))  # NaN lives in one shard only
-  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), strict=True):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(p2, p1, bitwise=False)
+  for a in jax.tree.leaves(p2):
     assert a.sharding.is_fully_replicated
     # every device's copy equals the others
     shards = [np.asarray(s.data) for s in a.addressable_shards]
@@ -268,11 +253,7 @@ def test_jit_sharded_params_and_optimizer_state():
   def loss(p, x):
     return jnp.sum((p["w"] * x) ** 2)
 
-  @jax.jit
-  def step(params, opt_state, x):
-    _, grads = ols.value_and_grad(loss)(opt_state, params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  step = jax.jit(loss_step(tx, loss))
 
   x = jax.device_put(jnp.ones(N * 4), NamedSharding(mesh, P("model")))
   p1, s1 = step(params, state, x)
@@ -282,12 +263,7 @@ def test_jit_sharded_params_and_optimizer_state():
   )  # last shard only
   p2, s2 = step(p1, s1, x_bad)
   np.testing.assert_array_equal(p2["w"], p1["w"])  # all shards skipped
-  for a, b in zip(
-    jax.tree.leaves(s2.inner_state),
-    jax.tree.leaves(s1.inner_state),
-    strict=True,
-  ):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(s2.inner_state, s1.inner_state, bitwise=False)
   assert p2["w"].sharding.spec == P("model")
   assert s2.inner_state[0].mu["w"].sharding.spec == P("model")
   assert float(ols.loss_scale(s2)) == 2.0**9

@@ -87,7 +87,8 @@ CONFIGS = {
 # float32, as `jax.grad` with respect to float32 master weights returns them.
 F32_GRADS = {"inject-hyperparams", "below-one"}
 
-INNERS = {
+# The inner optimizer of the configurations that do not use make_tx's default.
+INNER_OF_CONFIG = {
   "inject-hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
     learning_rate=optax.linear_schedule(1e-2, 1e-3, 40), weight_decay=1e-4
   ),
@@ -152,7 +153,7 @@ def init_params():
 
 
 def make_tx(config_name):
-  inner = INNERS.get(
+  inner = INNER_OF_CONFIG.get(
     config_name,
     lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
   )()

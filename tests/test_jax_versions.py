@@ -14,14 +14,12 @@ import tomllib
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
+from _helpers import GRADS, INNERS, PARAMS, forbid_fallback
 from packaging.requirements import Requirement
 from packaging.version import Version
-from test_skip import GRADS, PARAMS  # the trees the skip's own tests use
 
 import optax_lossscale as ols
-from optax_lossscale import _skip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -71,30 +69,10 @@ def test_the_test_extras_import_on_this_jax(module):
   importlib.import_module(module)
 
 
-INNERS = {
-  "adam": lambda: optax.adam(1e-2),
-  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-  "clip_then_adam": lambda: optax.chain(
-    optax.clip_by_global_norm(0.1), optax.adam(1e-2)
-  ),
-  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-    learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
-  ),
-  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
-}
-
-
 @pytest.mark.parametrize("name", sorted(INNERS))
 def test_the_rewrite_runs_on_this_jax(name, monkeypatch):
   """Under jit the skip never takes the plain select after the update."""
-
-  def fallback(*args, **kwargs):
-    raise AssertionError(
-      f"update_unless fell back to the plain select on jax {jax.__version__}"
-    )
-
-  monkeypatch.setattr(_skip, "_select_after", fallback)
+  forbid_fallback(monkeypatch)
   tx = ols.loss_scale_optimizer(INNERS[name]())
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from _helpers import assert_trees_equal
 
 WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
 STEPS, EVERY = 24, 4
@@ -63,14 +64,6 @@ def _finish(proc):
 def _load(path):
   with np.load(path) as data:
     return {k: data[k] for k in data.files}
-
-
-def _assert_bitwise_equal(a, b):
-  assert sorted(a) == sorted(b)
-  for key in a:
-    assert a[key].dtype == b[key].dtype, key
-    assert a[key].shape == b[key].shape, key
-    assert a[key].tobytes() == b[key].tobytes(), (key, a[key], b[key])
 
 
 @pytest.mark.parametrize(
@@ -125,7 +118,7 @@ def test_sigkill_then_resume_equals_uninterrupted(
   _finish(reference)
 
   ref, res = _load(tmp_path / "ref.npz"), _load(tmp_path / "resumed.npz")
-  _assert_bitwise_equal(ref, res)
+  assert_trees_equal(ref, res)
   assert int(res["['step']"]) == STEPS
   lss = "['opt_state'].loss_scale_state"
   if nan_range[0] >= 0:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal
 
 import optax_lossscale as ols
 
@@ -224,11 +225,7 @@ def test_skip_keeps_inner_state_bit_for_bit(poison):
   ):
     assert u.dtype == p.dtype
     np.testing.assert_array_equal(u, np.zeros_like(u))
-  old_leaves = jax.tree.leaves(state.inner_state)
-  new_leaves = jax.tree.leaves(new_state.inner_state)
-  for old, new in zip(old_leaves, new_leaves, strict=True):
-    assert old.dtype == new.dtype
-    assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+  assert_trees_equal(new_state.inner_state, state.inner_state)
 
 
 def test_finite_step_equals_plain_inner_update():

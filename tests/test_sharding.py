@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import INNERS as ALL_INNERS
+from _helpers import break_the_rewrite, force_the_accelerator_check, jit_step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
-from optax_lossscale import _finite, _interpret, _skip
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8,
@@ -42,10 +43,8 @@ LAYOUTS = {
   "fsdp_and_tp": ("2d", {"w": P("data", "model"), "v": P("model", "data")}),
   "replicated_and_sharded": ("2d", {"w": P("data", "model"), "b": P()}),
 }
-INNERS = {
-  "adam": lambda: optax.adam(1e-2),
-  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-}
+# Two of the shared inner optimizers: each case compiles both steps.
+INNERS = {name: ALL_INNERS[name] for name in ("adam", "sgd_momentum")}
 GATHERING = ("all-gather", "all-to-all", "collective-permute")
 
 
@@ -69,14 +68,6 @@ def with_value(x, index, value):
   host = np.array(x)
   host[index] = value
   return jax.device_put(host, x.sharding)
-
-
-def step_fn(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
 
 
 def collectives(compiled):
@@ -116,11 +107,7 @@ def run_case(layout, axis_type, inner_name, grads_scale=2.0**10, donate=False):
       else:
         g = grads
       state = tx.init(params)
-      compiled = (
-        jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ())
-        .lower(params, state, g)
-        .compile()
-      )
+      compiled = jit_step(tx, donate).lower(params, state, g).compile()
       out[name] = dict(
         tx=tx,
         compiled=compiled,
@@ -240,9 +227,7 @@ def test_the_accelerator_form_of_the_check_adds_no_gathering(
 ):
   # On CPU the check lowers to its CPU form; this forces the form that
   # GPU and TPU run, and compiles it on the CPU mesh.
-  monkeypatch.setattr(
-    _finite, "_all_finite_here", lambda *leaves: _finite._concatenated(*leaves)
-  )
+  force_the_accelerator_check(monkeypatch)
   for layout in LAYOUTS:
     _, _, out = run_case(layout, axis_type, "sgd_momentum", donate=True)
     (plain_counts, _), (counts, reduced) = (
@@ -334,11 +319,9 @@ def test_the_rewrite_keeps_name_stacks():
 
 
 def test_the_rewrite_warns_once_when_it_cannot_run(monkeypatch):
-  def broken_eval(*args, **kwargs):
-    raise NotImplementedError("a primitive the rewrite cannot re-bind")
-
-  monkeypatch.setattr(_interpret, "evaluate", broken_eval)
-  monkeypatch.setattr(_skip, "_FALLBACK_REASONS_SAID", set())
+  break_the_rewrite(
+    monkeypatch, NotImplementedError("a primitive the rewrite cannot re-bind")
+  )
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
   params = jnp.ones(4)
   state = tx.init(params)

@@ -15,34 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import GRADS, INNERS, PARAMS, assert_trees_equal, jit_step
 from jax import export
 
 import optax_lossscale as ols
 from optax_lossscale import _skip
-
-PARAMS = {
-  "w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-  "b": jnp.linspace(0.5, 1.0, 4),
-}
-GRADS = {"w": jnp.linspace(0.3, -0.2, 12).reshape(3, 4), "b": jnp.full(4, 0.25)}
-
-INNERS = {
-  "adam": lambda: optax.adam(1e-2),
-  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-  "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-  "lion": lambda: optax.lion(1e-3),
-  "lamb": lambda: optax.lamb(1e-3),
-  "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
-  "adafactor": lambda: optax.adafactor(1e-2),
-  "clip_then_adam": lambda: optax.chain(
-    optax.clip_by_global_norm(0.1), optax.adam(1e-2)
-  ),
-  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-    learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
-  ),
-  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
-  "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(1e-2), 2),
-}
 
 
 def run_both(inner, grads_seq):
@@ -68,10 +45,6 @@ def run_both(inner, grads_seq):
     state_r, state_p = new_r, new_p
 
 
-def bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 @pytest.mark.parametrize("name", sorted(INNERS))
 def test_rewritten_skip_matches_the_plain_select(name):
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), GRADS)
@@ -81,7 +54,7 @@ def test_rewritten_skip_matches_the_plain_select(name):
   ):
     chex.assert_trees_all_equal_shapes_and_dtypes(new_r, new_p)
     if grads is nan:
-      assert bits(new_r) == bits(old_r)  # the old state, bit for bit
+      assert_trees_equal(new_r, old_r)  # the old state, bit for bit
       chex.assert_trees_all_equal(u_r, jax.tree.map(jnp.zeros_like, u_r))
     # On finite steps XLA may fuse the two programs differently (an FMA
     # here or there), so the values agree to float32 rounding.
@@ -106,15 +79,7 @@ def compiled_costs(tx, grad_dtype=jnp.float32, n_leaves=8, size=4096):
   params = [jnp.full((size,), 0.01) for _ in range(n_leaves)]
   grads = [jnp.full((size,), 0.5, grad_dtype) for _ in range(n_leaves)]
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  compiled = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, tx.init(params), grads)
-    .compile()
-  )
+  compiled = jit_step(tx).lower(params, tx.init(params), grads).compile()
   instructions = _hlo.hlo_instructions(compiled)
   # The module was read: its parameters include the state-sized buffers.
   assert any(i.opcode == "parameter" and size in i.sizes for i in instructions)
@@ -232,11 +197,7 @@ def test_every_output_is_written_into_a_donated_buffer(make_tx):
   params = [jnp.full((256,), 0.01) for _ in range(3)]
   grads = [jnp.full((256,), 0.5) for _ in range(3)]
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jit_step(tx)
   state = tx.init(params)
   params, state = step(params, state, grads)  # outputs of a jitted step
   donated = {
@@ -255,17 +216,13 @@ def test_accelerators_read_the_old_last_finite_flag(platform):
   tx = ols.loss_scale_optimizer(optax.adam(1e-3))
   params = [jnp.ones(256), jnp.ones(256)]
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   args = (params, tx.init(params), params)
   paths = [
     jax.tree_util.keystr(path)
     for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]
   ]
   (flag,) = [i for i, p in enumerate(paths) if p.endswith("last_finite")]
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jit_step(tx)
   reads = {}
   for target in (platform, "cpu"):
     module = export.export(step, platforms=[target])(*args).mlir_module()

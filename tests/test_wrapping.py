@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal
 
 import optax_lossscale as ols
 
@@ -93,16 +94,14 @@ def test_lookahead_end_to_end():
       plain_grads, plain_state, plain_params
     )
     plain_params = optax.apply_updates(plain_params, plain_updates)
-  jax.tree.map(np.testing.assert_array_equal, params, plain_params)
+  assert_trees_equal(params, plain_params, bitwise=False)
 
   nan_grads = {"w": jnp.array([jnp.nan, 1.0])}
   updates, new_state = tx.update(nan_grads, state, params)
-  jax.tree.map(
-    np.testing.assert_array_equal, updates, jax.tree.map(jnp.zeros_like, params)
+  assert_trees_equal(
+    updates, jax.tree.map(jnp.zeros_like, params), bitwise=False
   )
-  jax.tree.map(
-    np.testing.assert_array_equal, new_state.inner_state, state.inner_state
-  )
+  assert_trees_equal(new_state.inner_state, state.inner_state, bitwise=False)
   assert ols.loss_scale(new_state) == 4.0
 
 
