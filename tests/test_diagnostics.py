@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,10 +78,7 @@ def test_without_value_nothing_changes():
   state = tx.init(PARAMS)
   _, with_value = tx.update(grads_with(), state, PARAMS, value=jnp.ones([]))
   _, without = tx.update(grads_with(), state, PARAMS)
-  for a, b in zip(
-    jax.tree.leaves(with_value), jax.tree.leaves(without), strict=True
-  ):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(with_value, without)
 
 
 def test_a_nonfinite_loss_with_finite_gradients_is_applied_by_default():
@@ -185,10 +183,7 @@ def test_random_sequences_with_losses_follow_the_rule(
     assert int(stats.nan_steps) == expected.nan_steps
     assert int(stats.nonfinite_loss_steps) == expected.nonfinite_loss_steps
     if not expected.last_finite:
-      for a, b in zip(
-        jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True
-      ):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+      assert_trees_equal(new_params, params)
     params = new_params
 
 
@@ -232,10 +227,7 @@ def test_leaf_stats_change_no_update():
   steps = [FINITE, INF, FINITE, NAN, FINITE]
   _, plain_params, plain = run(steps)
   _, params, state = run(steps, leaf_stats=True)
-  for a, b in zip(
-    jax.tree.leaves(params), jax.tree.leaves(plain_params), strict=True
-  ):
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert_trees_equal(params, plain_params)
   assert ols.skip_stats(state) == ols.skip_stats(plain)
 
 

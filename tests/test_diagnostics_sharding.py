@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_equal
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -89,8 +90,7 @@ def test_leaf_counts_on_a_mesh(axis_type):
     assert int(stats.nan_steps) == 1
     assert int(stats.nonfinite_loss_steps) == 1
     assert float(ols.loss_scale(state)) == 2.0**8  # two backoffs, one held
-    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(params), strict=True):
-      np.testing.assert_array_equal(a, b)  # nothing applied before step 4
+    assert_trees_equal(p3, params)  # nothing applied before step 4
 
     # Shardings are plain optax's.
     plain_state = plain.init(params)
