@@ -161,30 +161,48 @@ def _check_on_mesh(
 
   def check_shards(*shards: jax.Array) -> jax.Array:
     verdict = _check_here(list(shards), per_leaf)
-    codes = (
-      verdict.code[None] if verdict.leaf_codes is None else (verdict.leaf_codes)
-    )
+    # A scalar crosses devices, or with `per_leaf` one vector of codes.
+    codes = verdict.code if verdict.leaf_codes is None else verdict.leaf_codes
     return lax.pmax(codes, axes) if axes else codes
 
   out_spec = jax.sharding.PartitionSpec()
   codes = _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
   if per_leaf:
     return Verdict(jnp.max(codes), codes)
-  return Verdict(codes[0], None)
+  return Verdict(codes, None)
 
 
 def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
   """The code of one leaf whose sharding XLA picks later.
 
-  One one-operand reduction: XLA's SPMD partitioner splits it into one
-  reduction per shard and an all-reduce of a scalar, where a two-operand
-  reduction (`_one_pass`) it gathers first.
+  The sum of `|x|` over the elements that are not finite is 0, inf or NaN,
+  exactly as the leaf holds only finite values, infs, or a NaN (a sum, unlike
+  a float max, never drops a NaN). XLA's SPMD partitioner splits this
+  one-operand sum into one sum per shard and an all-reduce of a scalar; a
+  two-operand reduction (`_one_pass`) it gathers first. The zeros are
+  `x - x`, not a broadcast constant, which XLA on CPU materialized.
   """
+  if x.dtype not in _MASKS:  # complex and float8
+    return _code_of_unmasked(x)
+  not_finite = lax.select(lax.is_finite(x), lax.sub(x, x), lax.abs(x))
+  total = lax.reduce_sum(not_finite, tuple(range(x.ndim)))
+  return lax.select(
+    lax.ne(total, total),
+    _code(NAN),
+    lax.select(lax.is_finite(total), _code(FINITE), _code(INF)),
+  )
+
+
+def _largest_magnitude_code(x: jax.Array) -> jax.Array:
+  """The code of a leaf that lives whole here, in one one-operand
+  reduction: the largest magnitude read as an integer (every NaN lies above
+  inf), where XLA on GPU and TPU fuses the reading into the reduction."""
   masks = _MASKS.get(x.dtype)
   if masks is None:  # complex and float8
     return _code_of_unmasked(x)
-  largest = lax.reduce_max(_magnitude_bits(x, masks[0]), tuple(range(x.ndim)))
-  return _code_from_largest(largest, masks[1])
+  magnitude, inf = masks
+  bits = _magnitude_bits(x, magnitude)
+  return _code_from_largest(lax.reduce_max(bits, tuple(range(x.ndim))), inf)
 
 
 def _on_cpu(*leaves: jax.Array) -> jax.Array:
@@ -205,7 +223,7 @@ def _per_leaf_on_cpu(*leaves: jax.Array) -> jax.Array:
 
 
 def _per_leaf_elsewhere(*leaves: jax.Array) -> jax.Array:
-  return jnp.stack([_reduced_where_it_lives(x) for x in leaves])
+  return jnp.stack([_largest_magnitude_code(x) for x in leaves])
 
 
 def _worst(codes: Sequence[jax.Array]) -> jax.Array:
@@ -340,7 +358,7 @@ def _concatenated(*leaves: jax.Array) -> jax.Array:
   for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
       group = flat[start : start + _LEAVES_PER_CONCATENATION]
-      codes.append(_reduced_where_it_lives(jnp.concatenate(group)))
+      codes.append(_largest_magnitude_code(jnp.concatenate(group)))
   return _worst(codes)
 
 
