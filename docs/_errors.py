@@ -110,8 +110,8 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`initial_scale`: finite and > 0 in float32, between `min_scale` and"
-      " `max_scale`",
+      "`initial_scale`: a normal float32 (2**-126 to float32 max), between"
+      " `min_scale` and `max_scale`",
       _calls(
         'initial_scale="1024"',
         "initial_scale=True",
@@ -123,6 +123,7 @@ CONSTRUCTOR = Section(
         'initial_scale=float("inf")',
         "initial_scale=1e39  # overflows float32",
         "initial_scale=1e-46  # underflows float32 to 0",
+        "initial_scale=1e-40, min_scale=1e-40  # a float32 subnormal",
         "initial_scale=0.5  # below min_scale=1",
         "initial_scale=2.0**20, max_scale=2.0**16",
       ),
@@ -164,18 +165,21 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`min_scale`: finite and > 0 in float32, at most `initial_scale`",
+      "`min_scale`: a normal float32 (2**-126 to float32 max), at most"
+      " `initial_scale`",
       _calls(
         "min_scale=0",
         "min_scale=-1",
         'min_scale=float("nan")',
         'min_scale=float("inf")',
         "min_scale=None",
+        "min_scale=1e-40  # a float32 subnormal: 0 on CPU",
         "min_scale=2.0**16  # above initial_scale=2**15",
       ),
     ),
     Case(
-      "`max_scale`: finite and > 0 in float32, at least `initial_scale`",
+      "`max_scale`: a normal float32 (2**-126 to float32 max), at least"
+      " `initial_scale`",
       _calls(
         "max_scale=0",
         'max_scale=float("nan")',
@@ -264,6 +268,7 @@ MISUSE = Section(
       'ols.set_loss_scale(opt_state, float("nan"))\n'
       "ols.set_loss_scale(opt_state, 0.0)\n"
       "ols.set_loss_scale(opt_state, 1e39)\n"
+      "ols.set_loss_scale(opt_state, 1e-40)  # a float32 subnormal\n"
       "ols.set_loss_scale(opt_state, jnp.ones(2))\n"
       "static = ols.loss_scale_optimizer(\n"
       "  sgd, dynamic=False, initial_scale=8.0\n"

@@ -14,6 +14,13 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 _INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest normal float32, 2**-126: XLA on CPU flushes the subnormals
+# below it to zero, so a scale or bound there could become 0 (1/0 is inf).
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+# What a scale and its bounds accept, in messages.
+NORMAL_FLOAT32 = (
+  "a normal float32, from 2**-126 (np.finfo(np.float32).tiny) to float32 max"
+)
 
 # What `axis_name` accepts: one axis name, or a tuple of them.
 AxisName: TypeAlias = str | int | tuple[str | int, ...] | None
@@ -82,9 +89,10 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
 
 
 def _representable_in_float32(value: float) -> bool:
+  """Whether `value`, as the float32 that will be used, is normal."""
   with np.errstate(over="ignore"):  # too large becomes inf, refused below
     as_f32 = float(np.float32(value))
-  return 0.0 < as_f32 <= FLOAT32_MAX
+  return FLOAT32_TINY <= as_f32 <= FLOAT32_MAX
 
 
 def make_config(
@@ -117,7 +125,7 @@ def make_config(
       f" scale never grows), got {dynamic_growth_steps!r}."
     )
 
-  positive = "finite and > 0, representable in float32"
+  positive = NORMAL_FLOAT32
   if initial_scale is None:
     initial_scale = DEFAULT_INITIAL_SCALE
   initial_scale = _check_float(

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale import _locate, _nnx
+from optax_lossscale._config import FLOAT32_TINY, NORMAL_FLOAT32
 from optax_lossscale._state import SCALE_DTYPE
 
 
@@ -27,9 +28,9 @@ def _check_value(
     return
   with np.errstate(over="ignore", invalid="ignore"):
     as_f32 = np.asarray(value, dtype=np.float32)
-  if not np.all(np.isfinite(as_f32) & (as_f32 > 0)):
+  if not np.all(np.isfinite(as_f32) & (as_f32 >= FLOAT32_TINY)):
     raise ValueError(
-      f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."
+      f"`value` must be a loss scale that is {NORMAL_FLOAT32}, got {value!r}."
     )
   if (
     static
@@ -62,8 +63,9 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
   refused (unless the static scale is below 1 already).
 
   A concrete value that is refused raises; a traced one (under ``jit``)
-  that would be refused (not finite, not > 0, or below 1 for a static
-  scale >= 1) leaves the scale as it was.
+  that would be refused (not finite, below the smallest normal float32
+  ``2**-126``, or below 1 for a static scale >= 1) leaves the scale as it
+  was.
 
   NNX: where the scale sits in an NNX Variable (an ``nnx.Optimizer``, its
   ``opt_state``, ``nnx.state``/``nnx.split`` output), the Variable is set in
@@ -81,8 +83,9 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
     A state of the same structure and dtypes with the new scale.
 
   Raises:
-    ValueError: for a concrete value that is not finite and > 0, or below 1
-      for a static scale of at least 1.
+    ValueError: for a concrete value that is not a finite float32 of at
+      least ``2**-126`` (the smallest normal one), or below 1 for a static
+      scale of at least 1.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -100,7 +103,9 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
   # What a concrete value was checked for, for a traced one (and for a
   # traced old scale): a refused value keeps the old scale. Without it, a
   # NaN set under jit would stay NaN (`max(NaN, min_scale)` is NaN).
-  usable = jnp.isfinite(new) & (new > 0)
+  # Not `new > 0`: a subnormal is > 0 in the comparison, and 0 once XLA on
+  # CPU flushes it in arithmetic.
+  usable = jnp.isfinite(new) & (new >= FLOAT32_TINY)
   if static:
     usable &= (new >= 1) | (old < 1)
   new = jnp.where(usable, new, old.astype(SCALE_DTYPE))

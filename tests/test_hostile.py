@@ -120,3 +120,39 @@ def test_complex_gradients_divided_and_both_parts_checked():
     np.testing.assert_array_equal(updates, [0, 0])
     assert updates.dtype == jnp.complex64
     assert not bool(ols.all_finite(jnp.array([bad], jnp.complex64)))
+
+
+# --- Issue 22: values that float32 would make unusable ---
+
+TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"initial_scale": 2.0**-127, "min_scale": 2.0**-127},
+    {"min_scale": 1e-40},
+    {"initial_scale": 1e-40, "min_scale": 1e-40},
+    {"initial_scale": 2.0**-130, "max_scale": 2.0**-130, "min_scale": TINY},
+  ],
+)
+def test_subnormal_scales_and_bounds_are_refused(kwargs):
+  """A float32 subnormal flushes to 0 in XLA on CPU: one backoff to such a
+  floor gave a scale of 0, and every later step was skipped."""
+  name = next(k for k, v in kwargs.items() if v < TINY)
+  with pytest.raises(ValueError, match=rf"`{name}` must be .*2\*\*-126"):
+    lso(**kwargs)
+
+
+def test_the_smallest_normal_float32_is_a_usable_floor():
+  tx = lso(initial_scale=2.0 * TINY, min_scale=TINY)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update({"w": jnp.array([NAN, 1.0])}, state, params)
+  assert float(ols.loss_scale(state)) == TINY
+  updates, state = update({"w": jnp.array([TINY, -TINY])}, state, params)
+  assert bool(ols.skip_stats(state).last_finite)
+  tenth = np.float32(0.1)  # sgd(0.1) of the unscaled [1, -1]
+  np.testing.assert_array_equal(updates["w"], [-tenth, tenth])

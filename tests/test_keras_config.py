@@ -293,13 +293,13 @@ def test_legacy_multiplier_other_than_two_does_not_export():
     (
       {"loss_scale": float("nan")},
       ValueError,
-      "`initial_scale` must be finite and > 0",
+      "`initial_scale` must be a normal float32",
     ),
-    ({"loss_scale": 0}, ValueError, "`initial_scale` must be finite and > 0"),
+    ({"loss_scale": 0}, ValueError, "`initial_scale` must be a normal float32"),
     (
       legacy("FixedLossScale", loss_scale_value=-1.0),
       ValueError,
-      "`initial_scale` must be finite and > 0",
+      "`initial_scale` must be a normal float32",
     ),
     (
       legacy("DynamicLossScale", increment_period=0),
