@@ -161,9 +161,12 @@ def make_config(
   max_scale = _check_float(
     "max_scale", max_scale, accepted=positive, ok=_representable_in_float32
   )
-  if not min_scale <= initial_scale <= max_scale:
+  # The bounds are the dynamic scale's: a static scale (Keras-TF2 accepts
+  # one below 1) is not compared with them.
+  if dynamic and not min_scale <= initial_scale <= max_scale:
     raise ValueError(
-      "`min_scale <= initial_scale <= max_scale` must hold, got"
+      "`min_scale <= initial_scale <= max_scale` must hold for a dynamic"
+      " scale, got"
       f" min_scale={min_scale!r}, initial_scale={initial_scale!r},"
       f" max_scale={max_scale!r}."
     )

@@ -153,7 +153,8 @@ def loss_scale_optimizer(
      this is the ``hysteresis``-th non-finite step in a row (or later),
      ``s = max(s * backoff_factor, min_scale)``.
   5. Static (``dynamic=False``): ``s`` never changes, non-finite steps are
-     still skipped.
+     still skipped; ``min_scale`` and ``max_scale`` are not used (nor
+     compared with ``initial_scale``).
 
   With the defaults this is Keras-TF2's ``LossScaleOptimizer`` step for step,
   except that a skipped step does not advance the inner optimizer's count,

@@ -388,3 +388,32 @@ def test_to_keras_config_refuses_non_loss_scale_optimizer(tx):
     TypeError, match="`tx` must be made by `loss_scale_optimizer`"
   ):
     ols.to_keras_config(tx)
+
+
+# --- a static scale below 1 (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    {"dynamic": False, "initial_scale": 0.5, "dynamic_growth_steps": None},
+    {"loss_scale": 0.5},
+    {
+      "loss_scale": {
+        "class_name": "FixedLossScale",
+        "config": {"loss_scale_value": 0.25},
+      }
+    },
+  ],
+)
+def test_a_static_scale_below_one_imports(config):
+  """Keras-TF2 accepts `LossScaleOptimizer(opt, dynamic=False,
+  initial_scale=0.5)`; the floor `min_scale` is a dynamic-mode bound."""
+  tx = ols.from_keras_config(config, INNER)
+  scale = tx.loss_scale_config.initial_scale
+  assert scale < 1 and not tx.loss_scale_config.dynamic
+  assert ols.to_keras_config(tx) == {
+    "dynamic": False,
+    "initial_scale": scale,
+    "dynamic_growth_steps": None,
+  }
