@@ -156,3 +156,78 @@ def test_the_smallest_normal_float32_is_a_usable_floor():
   assert bool(ols.skip_stats(state).last_finite)
   tenth = np.float32(0.1)  # sgd(0.1) of the unscaled [1, -1]
   np.testing.assert_array_equal(updates["w"], [-tenth, tenth])
+
+
+# --- float8 gradients (issue 22) ---
+
+FLOAT8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=lambda d: d.__name__)
+@pytest.mark.parametrize(
+  "inner",
+  [lambda: optax.sgd(0.5), lambda: optax.adam(0.1)],
+  ids=["sgd", "adam"],
+)
+def test_float8_gradients_unscale_as_plain_optax_steps(dtype, inner):
+  """Unscaled in float32 (jax promotes no 8-bit float implicitly), then
+  back in the gradient's dtype: a power-of-two scale is exact, so a finite
+  step is the plain step, bit for bit."""
+  params = jnp.linspace(-1.0, 1.0, 6).astype(dtype)
+  grads = jnp.array([1.0, -2.0, 4.0, 0.5, 1.5, 8.0], dtype)
+  tx = ols.loss_scale_optimizer(inner(), initial_scale=4.0)
+  plain = inner()
+  for update in (tx.update, jax.jit(tx.update)):
+    updates, state = update((grads * 4).astype(dtype), tx.init(params), params)
+    want, want_state = plain.update(grads, plain.init(params), params)
+    assert updates.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(
+      np.asarray(updates, np.float32), np.asarray(want, np.float32)
+    )
+    for ours, theirs in zip(
+      jax.tree.leaves(state.inner_state),
+      jax.tree.leaves(want_state),
+      strict=True,
+    ):
+      assert ours.dtype == theirs.dtype
+      assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes()
+    assert bool(ols.skip_stats(state).last_finite)
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=lambda d: d.__name__)
+def test_float8_gradients_with_a_nan_or_inf_are_skipped(dtype):
+  params = jnp.ones(3, dtype)
+  tx = ols.loss_scale_optimizer(optax.adam(0.1), initial_scale=4.0)
+  state = tx.init(params)
+  # float8_e4m3fn has no inf: casting one gives NaN.
+  for bad in (NAN, INF):
+    grads = jnp.array([4.0, bad, 8.0], jnp.float32).astype(dtype)
+    for update in (tx.update, jax.jit(tx.update)):
+      updates, new_state = update(grads, state, params)
+      assert updates.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(updates, np.float32), 0.0)
+      assert not bool(ols.skip_stats(new_state).last_finite)
+      assert float(ols.loss_scale(new_state)) == 2.0
+      for old, new in zip(
+        jax.tree.leaves(state.inner_state),
+        jax.tree.leaves(new_state.inner_state),
+        strict=True,
+      ):
+        assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+
+
+def test_float8_gradients_of_float32_params_unscale_into_float32():
+  params = jnp.ones(2, jnp.float32)
+  tx = ols.loss_scale_optimizer(optax.sgd(1.0), initial_scale=4.0)
+  grads = jnp.array([4.0, 2.0], jnp.float8_e4m3fn)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert updates.dtype == jnp.float32
+  np.testing.assert_array_equal(updates, [-1.0, -0.5])
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=lambda d: d.__name__)
+def test_a_float8_loss_is_scaled_in_float32(dtype):
+  state = lso(initial_scale=4.0).init(PARAMS)
+  scaled = ols.scale_loss(jnp.array(1.5, dtype), state)
+  assert scaled.dtype == dtype
+  assert float(scaled) == 6.0
