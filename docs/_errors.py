@@ -142,9 +142,11 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`growth_factor`: finite and > 1",
+      "`growth_factor`: > 1 and finite in float32",
       _calls(
         "growth_factor=1.0",
+        "growth_factor=1.00000001  # 1.0 in float32",
+        "growth_factor=1e39  # inf in float32",
         "growth_factor=0.5",
         'growth_factor=float("nan")',
         'growth_factor=float("inf")',
@@ -153,9 +155,10 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`backoff_factor`: in the open interval (0, 1)",
+      "`backoff_factor`: in the open interval (0, 1) in float32",
       _calls(
         "backoff_factor=1.0",
+        "backoff_factor=0.99999999  # 1.0 in float32",
         "backoff_factor=0",
         "backoff_factor=-0.5",
         "backoff_factor=2.0",
@@ -286,6 +289,9 @@ MISUSE = Section(
       'typo = {"dynamic": True, "initial_scal": 1024.0}\n'
       "ols.from_keras_config(typo, sgd)\n"
       'ols.from_keras_config({"loss_scale": "big"}, sgd)\n'
+      'dynamic = {"class_name": "DynamicLossScale", "config": {}}\n'
+      'dynamic["config"]["multiplier"] = 1e308  # inf in float32\n'
+      'ols.from_keras_config({"loss_scale": dynamic}, sgd)\n'
       "ols.to_keras_config(optax.adam(1e-3))\n"
       "ols.to_keras_config(" + _lso("hysteresis=2") + ")\n",
     ),

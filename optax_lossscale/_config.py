@@ -88,11 +88,31 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
   return value
 
 
+def _as_float32(value: float) -> float:
+  with np.errstate(over="ignore"):  # too large becomes inf, refused after
+    return float(np.float32(value))
+
+
 def _representable_in_float32(value: float) -> bool:
   """Whether `value`, as the float32 that will be used, is normal."""
-  with np.errstate(over="ignore"):  # too large becomes inf, refused below
-    as_f32 = float(np.float32(value))
-  return FLOAT32_TINY <= as_f32 <= FLOAT32_MAX
+  return FLOAT32_TINY <= _as_float32(value) <= FLOAT32_MAX
+
+
+# The factors as the rule uses them, in float32: 1.00000001 is 1.0 there
+# (the scale would never grow), 1e39 is inf, 0.99999999 is 1.0 (it would
+# never back off), and a subnormal is 0 on CPU only.
+GROWTH_FACTOR = "> 1 and finite in float32, from 1 + 2**-23 to float32 max"
+BACKOFF_FACTOR = (
+  "in the open interval (0, 1) in float32, from 2**-126 to 1 - 2**-24"
+)
+
+
+def growth_factor_ok(value: float) -> bool:
+  return 1.0 < _as_float32(value) <= FLOAT32_MAX
+
+
+def backoff_factor_ok(value: float) -> bool:
+  return FLOAT32_TINY <= _as_float32(value) < 1.0
 
 
 def make_config(
@@ -144,14 +164,14 @@ def make_config(
   growth_factor = _check_float(
     "growth_factor",
     growth_factor,
-    accepted="finite and > 1",
-    ok=lambda x: x > 1.0,
+    accepted=GROWTH_FACTOR,
+    ok=growth_factor_ok,
   )
   backoff_factor = _check_float(
     "backoff_factor",
     backoff_factor,
-    accepted="in the open interval (0, 1)",
-    ok=lambda x: 0.0 < x < 1.0,
+    accepted=BACKOFF_FACTOR,
+    ok=backoff_factor_ok,
   )
   min_scale = _check_float(
     "min_scale", min_scale, accepted=positive, ok=_representable_in_float32

@@ -3,7 +3,11 @@
 import math
 from typing import Any
 
-from optax_lossscale._config import FLOAT32_MAX
+from optax_lossscale._config import (
+  FLOAT32_MAX,
+  backoff_factor_ok,
+  growth_factor_ok,
+)
 from optax_lossscale._optimizer import (
   Inner,
   LossScaledTransformation,
@@ -131,10 +135,14 @@ def _legacy_arguments(loss_scale: Any) -> dict[str, Any]:
       isinstance(multiplier, bool)
       or not isinstance(multiplier, int | float)
       or not (math.isfinite(multiplier) and multiplier > 1)
+      # As the rule uses it: growth by m and backoff by 1/m, in float32.
+      or not growth_factor_ok(multiplier)
+      or not backoff_factor_ok(1.0 / multiplier)
     ):
       raise ValueError(
-        "`multiplier` of a DynamicLossScale must be a finite number > 1,"
-        f" got {multiplier!r}."
+        "`multiplier` of a DynamicLossScale must be a number > 1 whose"
+        " float32 value m and 1/m are usable growth and backoff factors"
+        f" (from 1 + 2**-23 to 2**126), got {multiplier!r}."
       )
     return {
       "dynamic": True,

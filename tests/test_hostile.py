@@ -231,3 +231,32 @@ def test_a_float8_loss_is_scaled_in_float32(dtype):
   scaled = ols.scale_loss(jnp.array(1.5, dtype), state)
   assert scaled.dtype == dtype
   assert float(scaled) == 6.0
+
+
+# --- factors checked as the float32 values the rule uses (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "name, value",
+  [
+    ("backoff_factor", 0.99999999),  # 1.0 in float32: never backs off
+    ("backoff_factor", 1e-50),  # 0.0 in float32
+    ("backoff_factor", 1e-40),  # subnormal: 0 on CPU, not on GPU
+    ("growth_factor", 1e39),  # inf in float32
+    ("growth_factor", 1.00000001),  # 1.0 in float32: never grows
+  ],
+)
+def test_factors_are_checked_in_float32(name, value):
+  with pytest.raises(ValueError) as info:
+    lso(**{name: value})
+  message = str(info.value)
+  assert f"`{name}` must be" in message and repr(value) in message, message
+  assert "float32" in message, message
+
+
+def test_factors_next_to_the_float32_limits_are_accepted():
+  c = lso(growth_factor=1 + 2.0**-23, backoff_factor=1 - 2.0**-24)
+  assert c.loss_scale_config.growth_factor == 1 + 2.0**-23
+  assert c.loss_scale_config.backoff_factor == 1 - 2.0**-24
+  c = lso(growth_factor=float(np.finfo(np.float32).max), backoff_factor=TINY)
+  assert c.loss_scale_config.backoff_factor == TINY

@@ -275,7 +275,9 @@ def test_legacy_multiplier_other_than_two_does_not_export():
     (
       legacy("DynamicLossScale", multiplier=1.0),
       ValueError,
-      "`multiplier` of a DynamicLossScale must be a finite number > 1, got 1.0",
+      "`multiplier` of a DynamicLossScale must be a number > 1 whose"
+      " float32 value m and 1/m are usable growth and backoff factors"
+      " (from 1 + 2**-23 to 2**126), got 1.0",
     ),
     (
       legacy("DynamicLossScale", multiplier=float("nan")),
@@ -417,3 +419,34 @@ def test_a_static_scale_below_one_imports(config):
     "initial_scale": scale,
     "dynamic_growth_steps": None,
   }
+
+
+# --- legacy multipliers checked in float32 (issue 22) ---
+
+
+@pytest.mark.parametrize("multiplier", [1e308, 1e39, 2.0**127, 1.00000001])
+def test_a_multiplier_unusable_in_float32_is_refused(multiplier):
+  """1e308 gave growth_factor=inf and backoff_factor=0.0; 1.00000001 is 1.0
+  in float32."""
+  config = {
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {"multiplier": multiplier},
+    }
+  }
+  with pytest.raises(ValueError) as info:
+    ols.from_keras_config(config, INNER)
+  message = str(info.value)
+  assert "`multiplier`" in message and repr(multiplier) in message, message
+  assert "float32" in message, message
+
+
+def test_the_largest_usable_multiplier():
+  config = {
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {"multiplier": 2.0**126},
+    }
+  }
+  c = ols.from_keras_config(config, INNER).loss_scale_config
+  assert (c.growth_factor, c.backoff_factor) == (2.0**126, 2.0**-126)
