@@ -41,12 +41,15 @@ class LossScaleConfig:
   axis_name: AxisName
 
 
-def _as_real_scalar(value: Any) -> float | None:
+def as_real_scalar(value: Any) -> float | None:
   """A Python, NumPy or concrete JAX real scalar as a float, else None."""
   if isinstance(value, bool | np.bool_):
     return None
   if isinstance(value, numbers.Real):
-    return float(value)
+    try:
+      return float(value)
+    except OverflowError:  # an int beyond float's range: out of range
+      return -math.inf if value < 0 else math.inf
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if (
     shape == ()
@@ -64,7 +67,7 @@ def _check_float(
   name: str, value: Any, *, accepted: str, ok: Callable[[float], bool]
 ) -> float:
   """Returns `value` as a float if it is a real number and `ok(value)`."""
-  as_float = _as_real_scalar(value)
+  as_float = as_real_scalar(value)
   if as_float is None:
     raise TypeError(
       f"`{name}` must be a real number ({accepted}), got {value!r} of type"

@@ -260,3 +260,20 @@ def test_factors_next_to_the_float32_limits_are_accepted():
   assert c.loss_scale_config.backoff_factor == 1 - 2.0**-24
   c = lso(growth_factor=float(np.finfo(np.float32).max), backoff_factor=TINY)
   assert c.loss_scale_config.backoff_factor == TINY
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "initial_scale",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+  ],
+)
+@pytest.mark.parametrize("value", [2**1100, -(2**1100)])
+def test_an_int_beyond_float_range_is_a_value_error(name, value):
+  """`float(2**1100)` raises OverflowError: out of range, not a crash."""
+  with pytest.raises(ValueError, match=f"`{name}` must be"):
+    lso(**{name: value})

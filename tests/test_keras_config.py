@@ -450,3 +450,36 @@ def test_the_largest_usable_multiplier():
   }
   c = ols.from_keras_config(config, INNER).loss_scale_config
   assert (c.growth_factor, c.backoff_factor) == (2.0**126, 2.0**-126)
+
+
+# --- legacy numbers: NumPy scalars, and out-of-range values (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "multiplier", [np.float32(2.0), np.float64(4.0), np.int64(2), np.array(2.0)]
+)
+def test_a_numpy_multiplier_is_accepted(multiplier):
+  c = cfg_of(legacy("DynamicLossScale", multiplier=multiplier))
+  assert c.growth_factor == float(multiplier)
+  assert c.backoff_factor == 1.0 / float(multiplier)
+
+
+@pytest.mark.parametrize("value", [np.float32(8.0), np.int32(8), np.array(8.0)])
+def test_a_numpy_bare_legacy_scale_is_accepted(value):
+  c = cfg_of({"loss_scale": value})
+  assert (c.dynamic, c.initial_scale) == (False, 8.0)
+
+
+@pytest.mark.parametrize(
+  "config, name",
+  [
+    (legacy("DynamicLossScale", multiplier=2**1100), "`multiplier`"),
+    (legacy("DynamicLossScale", multiplier=-(2**1100)), "`multiplier`"),
+    (legacy("DynamicLossScale", initial_loss_scale=2**1100), "`initial_scale`"),
+    ({"loss_scale": 2**1100}, "`initial_scale`"),
+    ({"dynamic": True, "initial_scale": 2**1100}, "`initial_scale`"),
+  ],
+)
+def test_an_int_beyond_float_range_is_a_value_error(config, name):
+  with pytest.raises(ValueError, match=name):
+    ols.from_keras_config(config, INNER)
