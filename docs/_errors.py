@@ -273,6 +273,8 @@ MISUSE = Section(
       "ols.set_loss_scale(opt_state, 1e39)\n"
       "ols.set_loss_scale(opt_state, 1e-40)  # a float32 subnormal\n"
       "ols.set_loss_scale(opt_state, jnp.ones(2))\n"
+      'ols.set_loss_scale(opt_state, "8")\n'
+      "ols.set_loss_scale(opt_state, True)\n"
       "static = ols.loss_scale_optimizer(\n"
       "  sgd, dynamic=False, initial_scale=8.0\n"
       ").init(params)\n"

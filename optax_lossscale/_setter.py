@@ -1,5 +1,6 @@
 """`set_loss_scale`: the scale set by hand, and the checks on its value."""
 
+import numbers
 from typing import Any
 
 import jax
@@ -7,7 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale import _locate, _nnx
-from optax_lossscale._config import FLOAT32_TINY, NORMAL_FLOAT32
+from optax_lossscale._config import (
+  FLOAT32_TINY,
+  NORMAL_FLOAT32,
+  as_real_scalar,
+)
 from optax_lossscale._state import SCALE_DTYPE
 
 
@@ -19,6 +24,7 @@ def _check_value(
   value: jax.typing.ArrayLike, old: jax.Array, static: bool
 ) -> None:
   """Refuses a concrete `value` that is not a usable scale for this state."""
+  _check_type(value)
   if jnp.shape(value) not in ((), old.shape):
     raise ValueError(
       "`value` must be a scalar loss scale (or one per member of a stacked"
@@ -26,8 +32,11 @@ def _check_value(
     )
   if not _is_concrete(value):
     return
+  # A Python int beyond float's range becomes inf (refused), not an
+  # OverflowError.
+  scalar = as_real_scalar(value) if isinstance(value, numbers.Real) else None
   with np.errstate(over="ignore", invalid="ignore"):
-    as_f32 = np.asarray(value, dtype=np.float32)
+    as_f32 = np.asarray(value if scalar is None else scalar, np.float32)
   if not np.all(np.isfinite(as_f32) & (as_f32 >= FLOAT32_TINY)):
     raise ValueError(
       f"`value` must be a loss scale that is {NORMAL_FLOAT32}, got {value!r}."
@@ -43,6 +52,25 @@ def _check_value(
       f" now {_describe(old)}), got {value!r}: its finiteness check"
       " relies on a scale of at least 1, so every step would be skipped,"
       " and a static scale never changes by itself."
+    )
+
+
+def _check_type(value: Any) -> None:
+  """A real number, or an array of floats or ints; not a bool or a str,
+  which `jnp.asarray` would turn into a scale silently."""
+  if isinstance(value, bool | np.bool_):
+    real = False
+  elif isinstance(value, numbers.Real):
+    real = True
+  else:
+    dtype = getattr(value, "dtype", None)
+    real = dtype is not None and (
+      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+  if not real:
+    raise TypeError(
+      "`value` must be a real number (or an array of floats or ints), got"
+      f" {value!r} of type {type(value).__name__}."
     )
 
 
@@ -83,6 +111,8 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
     A state of the same structure and dtypes with the new scale.
 
   Raises:
+    TypeError: for a value that is not a real number or an array of floats
+      or ints (a bool or a str, say).
     ValueError: for a concrete value that is not a finite float32 of at
       least ``2**-126`` (the smallest normal one), or below 1 for a static
       scale of at least 1.

@@ -249,7 +249,8 @@ def check_same_structure(updates: Any, params: Any) -> Any:
 def _unscale_leaf(
   g: Any, out_dtype: Any, scale_for: Callable[[Any], Any]
 ) -> Any:
-  if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
+  # `result_type`, not `g.dtype`: a leaf can be a Python float.
+  if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
     # Part by part: a complex division by a real scale promoted to complex

@@ -272,8 +272,61 @@ def test_factors_next_to_the_float32_limits_are_accepted():
     "max_scale",
   ],
 )
-@pytest.mark.parametrize("value", [2**1100, -(2**1100)])
+@pytest.mark.parametrize(
+  "value", [2**1100, -(2**1100)], ids=["2**1100", "-2**1100"]
+)
 def test_an_int_beyond_float_range_is_a_value_error(name, value):
   """`float(2**1100)` raises OverflowError: out of range, not a crash."""
   with pytest.raises(ValueError, match=f"`{name}` must be"):
     lso(**{name: value})
+
+
+# --- small input gaps (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [lambda: optax.sgd(0.1), lambda: optax.adam(0.1)],
+  ids=["sgd", "adam"],
+)
+def test_a_python_float_gradient_leaf_eagerly_and_under_jit(inner):
+  """Plain optax takes a Python float leaf; eagerly ours raised
+  AttributeError ('float' object has no attribute 'dtype')."""
+  params = {"a": jnp.ones(2), "b": 1.0}
+  grads = {"a": jnp.array([2.0, -4.0]), "b": 3.0}
+  plain = inner()
+  want, _ = plain.update(grads, plain.init(params), params)
+  tx = ols.loss_scale_optimizer(inner(), initial_scale=1.0)
+  for update in (tx.update, jax.jit(tx.update)):
+    updates, state = update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["a"], want["a"], rtol=1e-6)
+    np.testing.assert_allclose(updates["b"], want["b"], rtol=1e-6)
+    assert bool(ols.skip_stats(state).last_finite)
+    updates, state = update(dict(grads, b=NAN), tx.init(params), params)
+    assert float(updates["b"]) == 0.0
+    assert not bool(ols.skip_stats(state).last_finite)
+
+
+@pytest.mark.parametrize(
+  "value", ["8", True, np.bool_(True), None, 1 + 0j, jnp.array(True), [8.0]]
+)
+def test_set_loss_scale_refuses_a_value_of_the_wrong_type(value):
+  state = lso().init(PARAMS)
+  with pytest.raises(TypeError, match="`value` must be"):
+    ols.set_loss_scale(state, value)
+
+
+@pytest.mark.parametrize(
+  "value", [2**1100, -(2**1100)], ids=["2**1100", "-2**1100"]
+)
+def test_set_loss_scale_out_of_float_range_is_a_value_error(value):
+  with pytest.raises(ValueError, match="`value` must be"):
+    ols.set_loss_scale(lso().init(PARAMS), value)
+
+
+@pytest.mark.parametrize(
+  "value", [8, 8.0, np.float32(8.0), np.int64(8), np.array(8.0), jnp.int32(8)]
+)
+def test_set_loss_scale_takes_python_and_numpy_numbers(value):
+  state = ols.set_loss_scale(lso().init(PARAMS), value)
+  assert ols.loss_scale(state) == 8.0
