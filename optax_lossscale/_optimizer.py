@@ -145,9 +145,10 @@ def loss_scale_optimizer(
      params get float32 unscaled gradients even from float16 ones).
   2. ``finite``: every element of every unscaled leaf is finite (reduced
      across ``axis_name`` when given, so that replicas decide together).
-  3. Finite: the inner update is applied. If ``c + 1 >= growth_steps``, ``s``
-     becomes ``s * growth_factor`` when that is finite and ``<= max_scale``
-     (else it stays) and ``c = 0``; otherwise ``c += 1``.
+  3. Finite: the inner update is applied. If
+     ``c + 1 >= dynamic_growth_steps``, ``s`` becomes ``s * growth_factor``
+     when that is finite and ``<= max_scale`` (else it stays) and ``c = 0``;
+     otherwise ``c += 1``.
   4. Not finite: the inner update is skipped (the updates are zeros in their
      own dtypes and the inner state is kept bit for bit), ``c = 0``, and if
      this is the ``hysteresis``-th non-finite step in a row (or later),
@@ -268,6 +269,7 @@ def _check_state_type(state: Any) -> None:
     raise TypeError(
       "`state` must be the LossScaleOptimizerState that this optimizer's"
       f" `init` returned, got {type(state).__name__}. A state of another"
-      " optimizer (a plain optax state, say) cannot be updated here; see"
-      " the README for restoring a plain optax checkpoint."
+      " optimizer (a plain optax state, say) cannot be updated here; to"
+      " restore a plain optax checkpoint, see docs/composition.md, section"
+      " Checkpoints."
     )

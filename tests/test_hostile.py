@@ -7,6 +7,8 @@ library. Here: the forms of arguments that are accepted, the errors' timing
 (at construction, at trace time), and behaviour on unusual gradient leaves.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -330,3 +332,12 @@ def test_set_loss_scale_out_of_float_range_is_a_value_error(value):
 def test_set_loss_scale_takes_python_and_numpy_numbers(value):
   state = ols.set_loss_scale(lso().init(PARAMS), value)
   assert ols.loss_scale(state) == 8.0
+
+
+def test_foreign_state_error_points_to_a_page_that_has_the_recipe():
+  """It pointed to a README section that does not exist (issue 22)."""
+  with pytest.raises(TypeError) as info:
+    _update_foreign_state()
+  assert "docs/composition.md, section Checkpoints" in str(info.value)
+  page = pathlib.Path(__file__).resolve().parents[1] / "docs/composition.md"
+  assert "\n## Checkpoints\n" in page.read_text()
