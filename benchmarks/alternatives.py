@@ -12,7 +12,7 @@ excluded, medians):
   is `g * (1 / scale)`, wrong above 2**126, shown only for what the second
   multiply costs;
 - the `last_finite` flag: on accelerators it is computed from its old value
-  so that its donated buffer stays an input of the program (see `_rule`);
+  so that its donated buffer stays an input of the program (see `_donation`);
   on CPU it is not. `flag_read` reads it on CPU too.
 
 `package` is the package as it is (`overhead.py`'s `ours`). `temp MB` is
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _rule, _unscale
+from optax_lossscale import _donation, _unscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead
@@ -80,9 +80,9 @@ def _traced_as(form: str) -> Iterator[None]:
     )
   elif form == "flag_read":
     module, names, replacements = (
-      _rule,
-      ("_reading",),
-      (_rule._finite_reading_old,),
+      _donation,
+      ("last_finite_flag",),
+      (_donation._finite_reading_old,),
     )
   else:
     yield

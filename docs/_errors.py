@@ -110,8 +110,8 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`initial_scale`: finite and > 0 in float32, between `min_scale` and"
-      " `max_scale`",
+      "`initial_scale`: a normal float32 (2**-126 to float32 max), between"
+      " `min_scale` and `max_scale`",
       _calls(
         'initial_scale="1024"',
         "initial_scale=True",
@@ -123,6 +123,7 @@ CONSTRUCTOR = Section(
         'initial_scale=float("inf")',
         "initial_scale=1e39  # overflows float32",
         "initial_scale=1e-46  # underflows float32 to 0",
+        "initial_scale=1e-40, min_scale=1e-40  # a float32 subnormal",
         "initial_scale=0.5  # below min_scale=1",
         "initial_scale=2.0**20, max_scale=2.0**16",
       ),
@@ -141,9 +142,11 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`growth_factor`: finite and > 1",
+      "`growth_factor`: > 1 and finite in float32",
       _calls(
         "growth_factor=1.0",
+        "growth_factor=1.00000001  # 1.0 in float32",
+        "growth_factor=1e39  # inf in float32",
         "growth_factor=0.5",
         'growth_factor=float("nan")',
         'growth_factor=float("inf")',
@@ -152,9 +155,10 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`backoff_factor`: in the open interval (0, 1)",
+      "`backoff_factor`: in the open interval (0, 1) in float32",
       _calls(
         "backoff_factor=1.0",
+        "backoff_factor=0.99999999  # 1.0 in float32",
         "backoff_factor=0",
         "backoff_factor=-0.5",
         "backoff_factor=2.0",
@@ -164,18 +168,21 @@ CONSTRUCTOR = Section(
       ),
     ),
     Case(
-      "`min_scale`: finite and > 0 in float32, at most `initial_scale`",
+      "`min_scale`: a normal float32 (2**-126 to float32 max), at most"
+      " `initial_scale`",
       _calls(
         "min_scale=0",
         "min_scale=-1",
         'min_scale=float("nan")',
         'min_scale=float("inf")',
         "min_scale=None",
+        "min_scale=1e-40  # a float32 subnormal: 0 on CPU",
         "min_scale=2.0**16  # above initial_scale=2**15",
       ),
     ),
     Case(
-      "`max_scale`: finite and > 0 in float32, at least `initial_scale`",
+      "`max_scale`: a normal float32 (2**-126 to float32 max), at least"
+      " `initial_scale`",
       _calls(
         "max_scale=0",
         'max_scale=float("nan")',
@@ -264,7 +271,10 @@ MISUSE = Section(
       'ols.set_loss_scale(opt_state, float("nan"))\n'
       "ols.set_loss_scale(opt_state, 0.0)\n"
       "ols.set_loss_scale(opt_state, 1e39)\n"
+      "ols.set_loss_scale(opt_state, 1e-40)  # a float32 subnormal\n"
       "ols.set_loss_scale(opt_state, jnp.ones(2))\n"
+      'ols.set_loss_scale(opt_state, "8")\n'
+      "ols.set_loss_scale(opt_state, True)\n"
       "static = ols.loss_scale_optimizer(\n"
       "  sgd, dynamic=False, initial_scale=8.0\n"
       ").init(params)\n"
@@ -281,6 +291,9 @@ MISUSE = Section(
       'typo = {"dynamic": True, "initial_scal": 1024.0}\n'
       "ols.from_keras_config(typo, sgd)\n"
       'ols.from_keras_config({"loss_scale": "big"}, sgd)\n'
+      'dynamic = {"class_name": "DynamicLossScale", "config": {}}\n'
+      'dynamic["config"]["multiplier"] = 1e308  # inf in float32\n'
+      'ols.from_keras_config({"loss_scale": dynamic}, sgd)\n'
       "ols.to_keras_config(optax.adam(1e-3))\n"
       "ols.to_keras_config(" + _lso("hysteresis=2") + ")\n",
     ),

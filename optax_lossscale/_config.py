@@ -14,6 +14,13 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 _INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest normal float32, 2**-126: XLA on CPU flushes the subnormals
+# below it to zero, so a scale or bound there could become 0 (1/0 is inf).
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+# What a scale and its bounds accept, in messages.
+NORMAL_FLOAT32 = (
+  "a normal float32, from 2**-126 (np.finfo(np.float32).tiny) to float32 max"
+)
 
 # What `axis_name` accepts: one axis name, or a tuple of them.
 AxisName: TypeAlias = str | int | tuple[str | int, ...] | None
@@ -36,12 +43,15 @@ class LossScaleConfig:
   backoff_on_nonfinite_loss: bool = True
 
 
-def _as_real_scalar(value: Any) -> float | None:
+def as_real_scalar(value: Any) -> float | None:
   """A Python, NumPy or concrete JAX real scalar as a float, else None."""
   if isinstance(value, bool | np.bool_):
     return None
   if isinstance(value, numbers.Real):
-    return float(value)
+    try:
+      return float(value)
+    except OverflowError:  # an int beyond float's range: out of range
+      return -math.inf if value < 0 else math.inf
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if (
     shape == ()
@@ -59,7 +69,7 @@ def _check_float(
   name: str, value: Any, *, accepted: str, ok: Callable[[float], bool]
 ) -> float:
   """Returns `value` as a float if it is a real number and `ok(value)`."""
-  as_float = _as_real_scalar(value)
+  as_float = as_real_scalar(value)
   if as_float is None:
     raise TypeError(
       f"`{name}` must be a real number ({accepted}), got {value!r} of type"
@@ -83,10 +93,31 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
   return value
 
 
+def _as_float32(value: float) -> float:
+  with np.errstate(over="ignore"):  # too large becomes inf, refused after
+    return float(np.float32(value))
+
+
 def _representable_in_float32(value: float) -> bool:
-  with np.errstate(over="ignore"):  # too large becomes inf, refused below
-    as_f32 = float(np.float32(value))
-  return 0.0 < as_f32 <= FLOAT32_MAX
+  """Whether `value`, as the float32 that will be used, is normal."""
+  return FLOAT32_TINY <= _as_float32(value) <= FLOAT32_MAX
+
+
+# The factors as the rule uses them, in float32: 1.00000001 is 1.0 there
+# (the scale would never grow), 1e39 is inf, 0.99999999 is 1.0 (it would
+# never back off), and a subnormal is 0 on CPU only.
+GROWTH_FACTOR = "> 1 and finite in float32, from 1 + 2**-23 to float32 max"
+BACKOFF_FACTOR = (
+  "in the open interval (0, 1) in float32, from 2**-126 to 1 - 2**-24"
+)
+
+
+def growth_factor_ok(value: float) -> bool:
+  return 1.0 < _as_float32(value) <= FLOAT32_MAX
+
+
+def backoff_factor_ok(value: float) -> bool:
+  return FLOAT32_TINY <= _as_float32(value) < 1.0
 
 
 def make_config(
@@ -117,7 +148,7 @@ def make_config(
       f" scale never grows), got {dynamic_growth_steps!r}."
     )
 
-  positive = "finite and > 0, representable in float32"
+  positive = NORMAL_FLOAT32
   if initial_scale is None:
     initial_scale = DEFAULT_INITIAL_SCALE
   initial_scale = _check_float(
@@ -136,14 +167,14 @@ def make_config(
   growth_factor = _check_float(
     "growth_factor",
     growth_factor,
-    accepted="finite and > 1",
-    ok=lambda x: x > 1.0,
+    accepted=GROWTH_FACTOR,
+    ok=growth_factor_ok,
   )
   backoff_factor = _check_float(
     "backoff_factor",
     backoff_factor,
-    accepted="in the open interval (0, 1)",
-    ok=lambda x: 0.0 < x < 1.0,
+    accepted=BACKOFF_FACTOR,
+    ok=backoff_factor_ok,
   )
   min_scale = _check_float(
     "min_scale", min_scale, accepted=positive, ok=_representable_in_float32
@@ -153,9 +184,12 @@ def make_config(
   max_scale = _check_float(
     "max_scale", max_scale, accepted=positive, ok=_representable_in_float32
   )
-  if not min_scale <= initial_scale <= max_scale:
+  # The bounds are the dynamic scale's: a static scale (Keras-TF2 accepts
+  # one below 1) is not compared with them.
+  if dynamic and not min_scale <= initial_scale <= max_scale:
     raise ValueError(
-      "`min_scale <= initial_scale <= max_scale` must hold, got"
+      "`min_scale <= initial_scale <= max_scale` must hold for a dynamic"
+      " scale, got"
       f" min_scale={min_scale!r}, initial_scale={initial_scale!r},"
       f" max_scale={max_scale!r}."
     )

@@ -3,7 +3,12 @@
 import math
 from typing import Any
 
-from optax_lossscale._config import FLOAT32_MAX
+from optax_lossscale._config import (
+  FLOAT32_MAX,
+  as_real_scalar,
+  backoff_factor_ok,
+  growth_factor_ok,
+)
 from optax_lossscale._optimizer import (
   Inner,
   LossScaledTransformation,
@@ -104,9 +109,9 @@ def from_keras_config(
 
 
 def _legacy_arguments(loss_scale: Any) -> dict[str, Any]:
-  if loss_scale == "dynamic":
+  if isinstance(loss_scale, str) and loss_scale == "dynamic":
     return {"dynamic": True}
-  if isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+  if as_real_scalar(loss_scale) is not None:  # NumPy scalars included
     return {"dynamic": False, "initial_scale": loss_scale}
   if not isinstance(loss_scale, dict) or "class_name" not in loss_scale:
     raise ValueError(
@@ -127,21 +132,25 @@ def _legacy_arguments(loss_scale: Any) -> dict[str, Any]:
       required=set(),
     )
     multiplier = inner_config.get("multiplier", 2.0)
+    m = as_real_scalar(multiplier)  # NumPy scalars included
     if (
-      isinstance(multiplier, bool)
-      or not isinstance(multiplier, int | float)
-      or not (math.isfinite(multiplier) and multiplier > 1)
+      m is None
+      or not (math.isfinite(m) and m > 1)
+      # As the rule uses it: growth by m and backoff by 1/m, in float32.
+      or not growth_factor_ok(m)
+      or not backoff_factor_ok(1.0 / m)
     ):
       raise ValueError(
-        "`multiplier` of a DynamicLossScale must be a finite number > 1,"
-        f" got {multiplier!r}."
+        "`multiplier` of a DynamicLossScale must be a number > 1 whose"
+        " float32 value m and 1/m are usable growth and backoff factors"
+        f" (from 1 + 2**-23 to 2**126), got {multiplier!r}."
       )
     return {
       "dynamic": True,
       "initial_scale": inner_config.get("initial_loss_scale", 2.0**15),
       "dynamic_growth_steps": inner_config.get("increment_period", 2000),
-      "growth_factor": float(multiplier),
-      "backoff_factor": 1.0 / multiplier,
+      "growth_factor": m,
+      "backoff_factor": 1.0 / m,
     }
   raise ValueError(
     "`config['loss_scale']['class_name']` must be 'FixedLossScale' or"

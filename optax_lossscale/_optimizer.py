@@ -150,15 +150,17 @@ def loss_scale_optimizer(
      params get float32 unscaled gradients even from float16 ones).
   2. ``finite``: every element of every unscaled leaf is finite (reduced
      across ``axis_name`` when given, so that replicas decide together).
-  3. Finite: the inner update is applied. If ``c + 1 >= growth_steps``, ``s``
-     becomes ``s * growth_factor`` when that is finite and ``<= max_scale``
-     (else it stays) and ``c = 0``; otherwise ``c += 1``.
+  3. Finite: the inner update is applied. If
+     ``c + 1 >= dynamic_growth_steps``, ``s`` becomes ``s * growth_factor``
+     when that is finite and ``<= max_scale`` (else it stays) and ``c = 0``;
+     otherwise ``c += 1``.
   4. Not finite: the inner update is skipped (the updates are zeros in their
      own dtypes and the inner state is kept bit for bit), ``c = 0``, and if
      this is the ``hysteresis``-th non-finite step in a row (or later),
      ``s = max(s * backoff_factor, min_scale)``.
   5. Static (``dynamic=False``): ``s`` never changes, non-finite steps are
-     still skipped.
+     still skipped; ``min_scale`` and ``max_scale`` are not used (nor
+     compared with ``initial_scale``).
   6. With ``backoff_on_nonfinite_loss=False``, a step whose loss is not
      finite (``update(..., value=loss)``) is skipped, and ``s``, ``c`` and
      the hysteresis count stay as they were.
@@ -295,6 +297,7 @@ def _check_state_type(state: Any) -> None:
     raise TypeError(
       "`state` must be the LossScaleOptimizerState that this optimizer's"
       f" `init` returned, got {type(state).__name__}. A state of another"
-      " optimizer (a plain optax state, say) cannot be updated here; see"
-      " the README for restoring a plain optax checkpoint."
+      " optimizer (a plain optax state, say) cannot be updated here; to"
+      " restore a plain optax checkpoint, see docs/composition.md, section"
+      " Checkpoints."
     )

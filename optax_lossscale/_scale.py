@@ -7,11 +7,12 @@ import jax.numpy as jnp
 
 from optax_lossscale._locate import find_loss_scale_state
 from optax_lossscale._state import SCALE_DTYPE
+from optax_lossscale._unscale import wider_dtype
 
 
 def scaled(loss: jax.Array, scale: jax.Array) -> jax.Array:
   """`loss * scale`, computed in float32 or better, in the loss's dtype."""
-  compute_dtype = jnp.promote_types(loss.dtype, SCALE_DTYPE)
+  compute_dtype = wider_dtype(loss.dtype, SCALE_DTYPE)
   return (loss.astype(compute_dtype) * scale.astype(compute_dtype)).astype(
     loss.dtype
   )

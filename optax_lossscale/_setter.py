@@ -1,5 +1,6 @@
 """`set_loss_scale`: the scale set by hand, and the checks on its value."""
 
+import numbers
 from typing import Any
 
 import jax
@@ -7,6 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale import _locate, _nnx
+from optax_lossscale._config import (
+  FLOAT32_TINY,
+  NORMAL_FLOAT32,
+  as_real_scalar,
+)
 from optax_lossscale._state import SCALE_DTYPE
 
 
@@ -18,6 +24,7 @@ def _check_value(
   value: jax.typing.ArrayLike, old: jax.Array, static: bool
 ) -> None:
   """Refuses a concrete `value` that is not a usable scale for this state."""
+  _check_type(value)
   if jnp.shape(value) not in ((), old.shape):
     raise ValueError(
       "`value` must be a scalar loss scale (or one per member of a stacked"
@@ -25,11 +32,14 @@ def _check_value(
     )
   if not _is_concrete(value):
     return
+  # A Python int beyond float's range becomes inf (refused), not an
+  # OverflowError.
+  scalar = as_real_scalar(value) if isinstance(value, numbers.Real) else None
   with np.errstate(over="ignore", invalid="ignore"):
-    as_f32 = np.asarray(value, dtype=np.float32)
-  if not np.all(np.isfinite(as_f32) & (as_f32 > 0)):
+    as_f32 = np.asarray(value if scalar is None else scalar, np.float32)
+  if not np.all(np.isfinite(as_f32) & (as_f32 >= FLOAT32_TINY)):
     raise ValueError(
-      f"`value` must be a finite loss scale > 0 (in float32), got {value!r}."
+      f"`value` must be a loss scale that is {NORMAL_FLOAT32}, got {value!r}."
     )
   if (
     static
@@ -42,6 +52,25 @@ def _check_value(
       f" now {_describe(old)}), got {value!r}: its finiteness check"
       " relies on a scale of at least 1, so every step would be skipped,"
       " and a static scale never changes by itself."
+    )
+
+
+def _check_type(value: Any) -> None:
+  """A real number, or an array of floats or ints; not a bool or a str,
+  which `jnp.asarray` would turn into a scale silently."""
+  if isinstance(value, bool | np.bool_):
+    real = False
+  elif isinstance(value, numbers.Real):
+    real = True
+  else:
+    dtype = getattr(value, "dtype", None)
+    real = dtype is not None and (
+      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+  if not real:
+    raise TypeError(
+      "`value` must be a real number (or an array of floats or ints), got"
+      f" {value!r} of type {type(value).__name__}."
     )
 
 
@@ -62,8 +91,9 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
   refused (unless the static scale is below 1 already).
 
   A concrete value that is refused raises; a traced one (under ``jit``)
-  that would be refused (not finite, not > 0, or below 1 for a static
-  scale >= 1) leaves the scale as it was.
+  that would be refused (not finite, below the smallest normal float32
+  ``2**-126``, or below 1 for a static scale >= 1) leaves the scale as it
+  was.
 
   NNX: where the scale sits in an NNX Variable (an ``nnx.Optimizer``, its
   ``opt_state``, ``nnx.state``/``nnx.split`` output), the Variable is set in
@@ -81,8 +111,11 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
     A state of the same structure and dtypes with the new scale.
 
   Raises:
-    ValueError: for a concrete value that is not finite and > 0, or below 1
-      for a static scale of at least 1.
+    TypeError: for a value that is not a real number or an array of floats
+      or ints (a bool or a str, say).
+    ValueError: for a concrete value that is not a finite float32 of at
+      least ``2**-126`` (the smallest normal one), or below 1 for a static
+      scale of at least 1.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -100,7 +133,9 @@ def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
   # What a concrete value was checked for, for a traced one (and for a
   # traced old scale): a refused value keeps the old scale. Without it, a
   # NaN set under jit would stay NaN (`max(NaN, min_scale)` is NaN).
-  usable = jnp.isfinite(new) & (new > 0)
+  # Not `new > 0`: a subnormal is > 0 in the comparison, and 0 once XLA on
+  # CPU flushes it in arithmetic.
+  usable = jnp.isfinite(new) & (new >= FLOAT32_TINY)
   if static:
     usable &= (new >= 1) | (old < 1)
   new = jnp.where(usable, new, old.astype(SCALE_DTYPE))

@@ -56,10 +56,18 @@ def keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
 
 def zero_unless(finite: jax.Array, updates: Any) -> Any:
   """`updates` where `finite`, else zeros of the same types."""
-  zeros = functools.cache(_zeros)  # one per type, not per leaf
-  return jax.tree.map(
-    lambda u: _select(finite, u, zeros(jax.typeof(u))), updates
-  )
+  shared = functools.cache(_zeros)  # one per type, not per leaf
+
+  def zeros(u: Any) -> jax.Array:
+    # On a mesh with `Auto` axes the type does not say where a leaf lives
+    # (it names the `Explicit` axes only): two leaves of one type can be
+    # sharded differently, and XLA gave a zeros array shared by both one
+    # sharding, which both leaves' outputs then took.
+    if _placement.any_axis_is(_placement.mesh_of(u), "Auto"):
+      return _zeros(jax.typeof(u))
+    return shared(jax.typeof(u))
+
+  return jax.tree.map(lambda u: _select(finite, u, zeros(u)), updates)
 
 
 def _zeros(aval: Any) -> jax.Array:

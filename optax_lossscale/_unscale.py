@@ -227,7 +227,7 @@ def _scale_for(
   `out_dtype`: `g / scale` is computed as `(g * quarter) * reciprocal` in
   `compute_dtype` (the wider of `out_dtype` and the scale's), with
   `reciprocal = 1 / (scale * quarter)`."""
-  compute_dtype = jnp.promote_types(out_dtype, loss_scale.dtype)
+  compute_dtype = wider_dtype(out_dtype, loss_scale.dtype)
   scale = loss_scale.astype(compute_dtype)
   # A product, not a quotient: XLA fuses a product into each of its
   # consumers, where on a mesh it materialized the quotient (one gradient
@@ -257,9 +257,28 @@ def _unscaled_dtypes(updates: Any, params: Any) -> Any:
       return None
     if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
       return jnp.result_type(g)  # integers and float0 pass through as they are
-    return jnp.promote_types(jnp.result_type(g), jnp.result_type(p))
+    return wider_dtype(jnp.result_type(g), jnp.result_type(p))
 
   return jax.tree.map(dtype, updates, params, is_leaf=_is_none)
+
+
+def wider_dtype(a: Any, b: Any) -> Any:
+  """`jnp.promote_types(a, b)` for a float `a`; jax promotes no float of 8
+  bits or fewer implicitly, so there the wider float of the two (`a` on a
+  tie): float8 gradients unscale in float32, as float16 ones do."""
+  if not (_narrow_float(a) or _narrow_float(b)):
+    return jnp.promote_types(a, b)
+  if jnp.issubdtype(b, jnp.floating) and (
+    jnp.dtype(b).itemsize > jnp.dtype(a).itemsize
+  ):
+    return jnp.dtype(b)
+  return jnp.dtype(a)
+
+
+def _narrow_float(dtype: Any) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and (
+    jnp.dtype(dtype).itemsize == 1
+  )
 
 
 def check_same_structure(updates: Any, params: Any) -> Any:
@@ -288,7 +307,8 @@ def check_same_structure(updates: Any, params: Any) -> Any:
 def _unscale_leaf(
   g: Any, out_dtype: Any, scale_for: Callable[[Any], Any]
 ) -> Any:
-  if g is None or not jnp.issubdtype(g.dtype, jnp.inexact):
+  # `result_type`, not `g.dtype`: a leaf can be a Python float.
+  if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
     return g  # integer (or float0) leaves carry no scaled gradient
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
     # Part by part: a complex division by a real scale promoted to complex

@@ -275,7 +275,9 @@ def test_legacy_multiplier_other_than_two_does_not_export():
     (
       legacy("DynamicLossScale", multiplier=1.0),
       ValueError,
-      "`multiplier` of a DynamicLossScale must be a finite number > 1, got 1.0",
+      "`multiplier` of a DynamicLossScale must be a number > 1 whose"
+      " float32 value m and 1/m are usable growth and backoff factors"
+      " (from 1 + 2**-23 to 2**126), got 1.0",
     ),
     (
       legacy("DynamicLossScale", multiplier=float("nan")),
@@ -293,13 +295,13 @@ def test_legacy_multiplier_other_than_two_does_not_export():
     (
       {"loss_scale": float("nan")},
       ValueError,
-      "`initial_scale` must be finite and > 0",
+      "`initial_scale` must be a normal float32",
     ),
-    ({"loss_scale": 0}, ValueError, "`initial_scale` must be finite and > 0"),
+    ({"loss_scale": 0}, ValueError, "`initial_scale` must be a normal float32"),
     (
       legacy("FixedLossScale", loss_scale_value=-1.0),
       ValueError,
-      "`initial_scale` must be finite and > 0",
+      "`initial_scale` must be a normal float32",
     ),
     (
       legacy("DynamicLossScale", increment_period=0),
@@ -388,3 +390,96 @@ def test_to_keras_config_refuses_non_loss_scale_optimizer(tx):
     TypeError, match="`tx` must be made by `loss_scale_optimizer`"
   ):
     ols.to_keras_config(tx)
+
+
+# --- a static scale below 1 (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    {"dynamic": False, "initial_scale": 0.5, "dynamic_growth_steps": None},
+    {"loss_scale": 0.5},
+    {
+      "loss_scale": {
+        "class_name": "FixedLossScale",
+        "config": {"loss_scale_value": 0.25},
+      }
+    },
+  ],
+)
+def test_a_static_scale_below_one_imports(config):
+  """Keras-TF2 accepts `LossScaleOptimizer(opt, dynamic=False,
+  initial_scale=0.5)`; the floor `min_scale` is a dynamic-mode bound."""
+  tx = ols.from_keras_config(config, INNER)
+  scale = tx.loss_scale_config.initial_scale
+  assert scale < 1 and not tx.loss_scale_config.dynamic
+  assert ols.to_keras_config(tx) == {
+    "dynamic": False,
+    "initial_scale": scale,
+    "dynamic_growth_steps": None,
+  }
+
+
+# --- legacy multipliers checked in float32 (issue 22) ---
+
+
+@pytest.mark.parametrize("multiplier", [1e308, 1e39, 2.0**127, 1.00000001])
+def test_a_multiplier_unusable_in_float32_is_refused(multiplier):
+  """1e308 gave growth_factor=inf and backoff_factor=0.0; 1.00000001 is 1.0
+  in float32."""
+  config = {
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {"multiplier": multiplier},
+    }
+  }
+  with pytest.raises(ValueError) as info:
+    ols.from_keras_config(config, INNER)
+  message = str(info.value)
+  assert "`multiplier`" in message and repr(multiplier) in message, message
+  assert "float32" in message, message
+
+
+def test_the_largest_usable_multiplier():
+  config = {
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {"multiplier": 2.0**126},
+    }
+  }
+  c = ols.from_keras_config(config, INNER).loss_scale_config
+  assert (c.growth_factor, c.backoff_factor) == (2.0**126, 2.0**-126)
+
+
+# --- legacy numbers: NumPy scalars, and out-of-range values (issue 22) ---
+
+
+@pytest.mark.parametrize(
+  "multiplier", [np.float32(2.0), np.float64(4.0), np.int64(2), np.array(2.0)]
+)
+def test_a_numpy_multiplier_is_accepted(multiplier):
+  c = cfg_of(legacy("DynamicLossScale", multiplier=multiplier))
+  assert c.growth_factor == float(multiplier)
+  assert c.backoff_factor == 1.0 / float(multiplier)
+
+
+@pytest.mark.parametrize("value", [np.float32(8.0), np.int32(8), np.array(8.0)])
+def test_a_numpy_bare_legacy_scale_is_accepted(value):
+  c = cfg_of({"loss_scale": value})
+  assert (c.dynamic, c.initial_scale) == (False, 8.0)
+
+
+@pytest.mark.parametrize(
+  "config, name",
+  [
+    (legacy("DynamicLossScale", multiplier=2**1100), "`multiplier`"),
+    (legacy("DynamicLossScale", multiplier=-(2**1100)), "`multiplier`"),
+    (legacy("DynamicLossScale", initial_loss_scale=2**1100), "`initial_scale`"),
+    ({"loss_scale": 2**1100}, "`initial_scale`"),
+    ({"dynamic": True, "initial_scale": 2**1100}, "`initial_scale`"),
+  ],
+)
+def test_an_int_beyond_float_range_is_a_value_error(config, name):
+  with pytest.raises(ValueError, match=name):
+    ols.from_keras_config(config, INNER)

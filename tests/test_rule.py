@@ -258,3 +258,33 @@ def test_unscale_and_check_alone_zeroes_nonfinite_steps():
   updates, state = tx.update(NONFINITE, state, params)
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
   assert ols.loss_scale(state) == 1.0
+
+
+# --- a static scale below 1 (issue 22) ---
+
+
+def test_static_scale_below_one_runs_and_checks_the_unscaled_values():
+  """Dividing by 0.5 doubles a gradient: a finite float16 one can overflow,
+  so the check runs on the values passed on. `min_scale` and `max_scale`
+  bound the dynamic scale only, and are not compared with a static one."""
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1.0), dynamic=False, initial_scale=0.5
+  )
+  assert tx.loss_scale_config.min_scale == 1.0
+  params = {"w": jnp.zeros(2, jnp.float16)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  updates, state = update({"w": jnp.array([1.0, -3.0], jnp.float16)}, state)
+  np.testing.assert_array_equal(updates["w"], [-2.0, 6.0])
+  assert bool(ols.skip_stats(state).last_finite)
+  for bad in ([40000.0, 1.0], [jnp.nan, 1.0], [jnp.inf, 1.0]):
+    # 40000 is finite in float16, 80000 is not.
+    updates, state = update({"w": jnp.array(bad, jnp.float16)}, state)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+    assert not bool(ols.skip_stats(state).last_finite), bad
+    assert ols.loss_scale(state) == 0.5
+  assert int(ols.skip_stats(state).total_skipped) == 3
+  wide = ols.loss_scale_optimizer(
+    optax.sgd(1.0), dynamic=False, initial_scale=2.0**20, max_scale=2.0**16
+  )
+  assert wide.loss_scale_config.initial_scale == 2.0**20

@@ -338,3 +338,31 @@ def test_the_rewrite_warns_once_when_it_cannot_run(monkeypatch):
     params / 2.0**15, state.inner_state, params
   )
   chex.assert_trees_all_close(updates, plain_updates, rtol=1e-6)
+
+
+def test_a_mixed_explicit_and_auto_mesh_keeps_each_leafs_sharding():
+  """Two leaves of one type (which names only the `Explicit` axes) with
+  different `Auto` shardings: each keeps its own, as in plain optax. One
+  zeros array shared by both had given both the second's sharding, and the
+  step compiled again for its own outputs (issue 22)."""
+  mesh = jax.make_mesh(
+    (2, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto)
+  )
+  specs = {"w1": P("data", None), "w2": P(("data", "model"))}
+  with jax.set_mesh(mesh):
+    params = sharded_tree(mesh, specs)
+    grads = sharded_tree(mesh, specs, scale=2.0**10)
+    assert jax.typeof(params["w1"]) == jax.typeof(params["w2"])
+    plain_tx = optax.adam(1e-2)
+    ours_tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10)
+    plain_params, plain_state = jit_step(plain_tx, donate=False)(
+      params, plain_tx.init(params), jax.tree.map(lambda g: g / 2.0**10, grads)
+    )
+    step = jit_step(ours_tx, donate=False)
+    ours_params, ours_state = step(params, ours_tx.init(params), grads)
+    assert shardings(ours_params) == shardings(plain_params)
+    assert shardings(ours_params) == shardings(params)
+    assert shardings(ours_state.inner_state) == shardings(plain_state)
+    chex.assert_trees_all_close(ours_params, plain_params, rtol=1e-6)
+    step(ours_params, ours_state, grads)
+    assert step._cache_size() == 1  # its outputs are its inputs' types

@@ -227,3 +227,24 @@ def test_readouts_on_a_replicated_state_give_one_value_per_replica():
   )
   with pytest.raises(ValueError, match="must hold a scalar scale"):
     ols.scale_loss(1.0, replicated)
+
+
+# --- set_loss_scale: no subnormal scale (issue 22) ---
+
+
+@pytest.mark.parametrize("value", [1e-40, 2.0**-127, np.float32(1e-45)])
+def test_a_subnormal_value_is_refused(value):
+  state = ols.loss_scale_optimizer(optax.sgd(0.5)).init(PARAMS)
+  with pytest.raises(ValueError, match=r"`value` must be .*2\*\*-126"):
+    ols.set_loss_scale(state, value)
+
+
+def test_a_traced_subnormal_value_keeps_the_scale():
+  tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=8.0)
+  state = tx.init(PARAMS)
+  for value in (np.float32(2.0**-127), np.float32(2.0**-149)):
+    new = jax.jit(ols.set_loss_scale)(state, value)
+    assert ols.loss_scale(new) == 8.0
+  smallest = np.finfo(np.float32).tiny
+  new = jax.jit(ols.set_loss_scale)(state, smallest)
+  assert ols.loss_scale(new) == smallest
