@@ -183,14 +183,16 @@ def loss_scale_optimizer(
       included). Put gradient clipping inside it, so that it sees unscaled,
       finite gradients.
     dynamic: whether the scale adapts (``True``) or stays fixed.
-    initial_scale: the starting scale; ``2**15`` when dynamic, required when
-      static.
+    initial_scale: the starting scale, a normal float32 (at least
+      ``2**-126``); ``2**15`` when dynamic, required when static.
     dynamic_growth_steps: consecutive finite steps before the scale grows
       (default 2000); must be ``None`` when static.
     growth_factor: multiplier on growth, ``> 1``.
     backoff_factor: multiplier on backoff, in ``(0, 1)``.
-    min_scale: the floor the scale never goes below (default 1).
-    max_scale: the ceiling growth never exceeds (default: float32 max).
+    min_scale: the floor the dynamic scale never goes below (default 1);
+      not used when static.
+    max_scale: the ceiling growth never exceeds (default: float32 max);
+      not used when static.
     hysteresis: non-finite steps in a row before the scale backs off
       (any finite step refills the tolerance, as DeepSpeed's
       ``consecutive_hysteresis=True``); every non-finite step is skipped

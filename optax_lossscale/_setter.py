@@ -1,7 +1,7 @@
 """`set_loss_scale`: the scale set by hand, and the checks on its value."""
 
 import numbers
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,13 @@ def _describe(old: jax.Array) -> str:
   return f"{float(old)}" if old.shape == () else f"shape {old.shape}"
 
 
-def set_loss_scale(opt_state: Any, value: jax.typing.ArrayLike) -> Any:
+# Whatever state comes in, the same kind goes out.
+OptState = TypeVar("OptState")
+
+
+def set_loss_scale(
+  opt_state: OptState, value: jax.typing.ArrayLike
+) -> OptState:
   """Sets the loss scale to `value`, for checkpoint surgery or a restart.
 
   The counters are left as they are. Choose the value within the

@@ -53,14 +53,16 @@ def unscale_and_check(
 
   Args:
     dynamic: whether the scale adapts (``True``) or stays fixed.
-    initial_scale: the starting scale; ``2**15`` when dynamic, required when
-      static.
+    initial_scale: the starting scale, a normal float32 (at least
+      ``2**-126``); ``2**15`` when dynamic, required when static.
     dynamic_growth_steps: consecutive finite steps before the scale grows
       (default 2000); must be ``None`` when static.
     growth_factor: multiplier on growth, ``> 1``.
     backoff_factor: multiplier on backoff, in ``(0, 1)``.
-    min_scale: the floor the scale never goes below.
-    max_scale: the ceiling growth never exceeds (default: float32 max).
+    min_scale: the floor the dynamic scale never goes below; not used when
+      static.
+    max_scale: the ceiling growth never exceeds (default: float32 max);
+      not used when static.
     hysteresis: non-finite steps in a row before the scale backs off.
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
       which the finite flag is reduced.
