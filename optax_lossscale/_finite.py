@@ -21,10 +21,28 @@ CODE_DTYPE = jnp.int32
 
 
 class Verdict(NamedTuple):
-  """The check of a tree: its code, and one per leaf when asked for."""
+  """The check of a tree, and the code of each leaf when asked for."""
 
-  code: jax.Array  # int32[]
+  finite: jax.Array  # bool[]: every element finite
+  nan: jax.Array  # bool[]: some element NaN
   leaf_codes: jax.Array | None  # int32[leaves], in `jax.tree.leaves` order
+
+  @property
+  def code(self) -> jax.Array:
+    return code_of(self.finite, self.nan)
+
+
+def code_of(finite: jax.Array, nan: jax.Array) -> jax.Array:
+  """The code of a check that found `finite` and `nan`."""
+  return lax.select(
+    nan, _code(NAN), lax.select(finite, _code(FINITE), _code(INF))
+  )
+
+
+def _flags_of(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(finite, nan)` of the worst of `codes` (any shape)."""
+  worst = jnp.max(codes)
+  return worst == FINITE, worst == NAN
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -47,7 +65,10 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ols.all_finite({'w': jnp.ones(3), 'b': None})
     Array(True, dtype=bool)
   """
-  return check(tree).code == FINITE
+  verdict = check(tree)
+  # Both answers are used, so that XLA keeps each reduction of two operands
+  # whole (a NaN is never finite: the second changes nothing).
+  return verdict.finite & ~verdict.nan
 
 
 def check(tree: Any, per_leaf: bool = False) -> Verdict:
@@ -62,7 +83,7 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
   ]
   if not checked:
     codes = jnp.zeros([len(leaves)], CODE_DTYPE) if per_leaf else None
-    return Verdict(_code(FINITE), codes)
+    return Verdict(jnp.ones([], jnp.bool_), jnp.zeros([], jnp.bool_), codes)
   local, explicit, auto = _by_placement(checked, leaves)
   # On a mesh each leaf is checked where it lives, and only scalars cross
   # devices: combining leaves sharded differently (a concatenation, an
@@ -75,18 +96,21 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
       (group, _check_on_mesh(mesh, [leaves[i] for i in group], per_leaf))
     )
   for i in auto:
-    code = _reduced_where_it_lives(leaves[i])
-    parts.append(([i], Verdict(code, code[None] if per_leaf else None)))
-  code = parts[0][1].code
+    finite, nan = _reduced_where_it_lives(leaves[i])
+    code = code_of(finite, nan)[None] if per_leaf else None
+    parts.append(([i], Verdict(finite, nan, code)))
+  # Booleans, not codes, are combined: XLA copies this small computation
+  # into every select that reads the flag, so it is kept to one op a part.
+  finite, nan = parts[0][1].finite, parts[0][1].nan
   for _, verdict in parts[1:]:
-    code = lax.max(code, verdict.code)
+    finite, nan = finite & verdict.finite, nan | verdict.nan
   if not per_leaf:
-    return Verdict(code, None)
+    return Verdict(finite, nan, None)
   leaf_codes = jnp.zeros([len(leaves)], CODE_DTYPE)
   for indices, verdict in parts:
     assert verdict.leaf_codes is not None
     leaf_codes = leaf_codes.at[np.asarray(indices)].set(verdict.leaf_codes)
-  return Verdict(code, leaf_codes)
+  return Verdict(finite, nan, leaf_codes)
 
 
 def _code(value: int) -> jax.Array:
@@ -107,9 +131,11 @@ def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
     codes = lax.platform_dependent(
       *leaves, cpu=_per_leaf_on_cpu, default=_per_leaf_elsewhere
     )
-    return Verdict(jnp.max(codes), codes)
-  code = lax.platform_dependent(*leaves, cpu=_on_cpu, default=_concatenated)
-  return Verdict(code, None)
+    return Verdict(*_flags_of(codes), codes)
+  finite, nan = lax.platform_dependent(
+    *leaves, cpu=_on_cpu, default=_concatenated
+  )
+  return Verdict(finite, nan, None)
 
 
 def _by_placement(
@@ -167,13 +193,11 @@ def _check_on_mesh(
 
   out_spec = jax.sharding.PartitionSpec()
   codes = _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
-  if per_leaf:
-    return Verdict(jnp.max(codes), codes)
-  return Verdict(codes, None)
+  return Verdict(*_flags_of(codes), codes if per_leaf else None)
 
 
-def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
-  """The code of one leaf whose sharding XLA picks later.
+def _reduced_where_it_lives(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(finite, nan)` of one leaf whose sharding XLA picks later.
 
   The sum of `|x|` over the elements that are not finite is 0, inf or NaN,
   exactly as the leaf holds only finite values, infs, or a NaN (a sum, unlike
@@ -183,54 +207,53 @@ def _reduced_where_it_lives(x: jax.Array) -> jax.Array:
   `x - x`, not a broadcast constant, which XLA on CPU materialized.
   """
   if x.dtype not in _MASKS:  # complex and float8
-    return _code_of_unmasked(x)
+    return _flags_of_unmasked(x)
   not_finite = lax.select(lax.is_finite(x), lax.sub(x, x), lax.abs(x))
   total = lax.reduce_sum(not_finite, tuple(range(x.ndim)))
-  return lax.select(
-    lax.ne(total, total),
-    _code(NAN),
-    lax.select(lax.is_finite(total), _code(FINITE), _code(INF)),
-  )
+  return lax.is_finite(total), lax.ne(total, total)
 
 
-def _largest_magnitude_code(x: jax.Array) -> jax.Array:
-  """The code of a leaf that lives whole here, in one one-operand
+def _largest_magnitude(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(finite, nan)` of a leaf that lives whole here, in one one-operand
   reduction: the largest magnitude read as an integer (every NaN lies above
   inf), where XLA on GPU and TPU fuses the reading into the reduction."""
   masks = _MASKS.get(x.dtype)
   if masks is None:  # complex and float8
-    return _code_of_unmasked(x)
+    return _flags_of_unmasked(x)
   magnitude, inf = masks
   bits = _magnitude_bits(x, magnitude)
-  return _code_from_largest(lax.reduce_max(bits, tuple(range(x.ndim))), inf)
+  largest = lax.reduce_max(bits, tuple(range(x.ndim)))
+  return lax.lt(largest, inf), lax.gt(largest, inf)
 
 
-def _on_cpu(*leaves: jax.Array) -> jax.Array:
+def _on_cpu(*leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
   # Each reduction is a kernel of its own, and XLA on CPU compiles a
   # reduction kernel slowly: leaves of one shape are read together.
   small = [x for x in leaves if x.size < _CONCATENATE_BELOW]
   large = [x for x in leaves if x.size >= _CONCATENATE_BELOW]
-  codes = [_one_pass(group) for group in _groups_of_one_shape(large)]
-  codes += [
+  flags = [_one_pass(group) for group in _groups_of_one_shape(large)]
+  flags += [
     _one_pass([jnp.concatenate(flat)]) for flat in _raveled_by_dtype(small)
   ]
-  return _worst(codes)
+  return _all_and_any(flags)
 
 
 def _per_leaf_on_cpu(*leaves: jax.Array) -> jax.Array:
   """The code of each leaf, each in a reduction of its own."""
-  return jnp.stack([_one_pass([x]) for x in leaves])
+  return jnp.stack([code_of(*_one_pass([x])) for x in leaves])
 
 
 def _per_leaf_elsewhere(*leaves: jax.Array) -> jax.Array:
-  return jnp.stack([_largest_magnitude_code(x) for x in leaves])
+  return jnp.stack([code_of(*_largest_magnitude(x)) for x in leaves])
 
 
-def _worst(codes: Sequence[jax.Array]) -> jax.Array:
-  worst = codes[0]
-  for code in codes[1:]:
-    worst = lax.max(worst, code)
-  return worst
+def _all_and_any(
+  flags: Sequence[tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+  """`(all finite, any NaN)` over `(finite, nan)` pairs, each one reduction
+  of a stack."""
+  finites, nans = zip(*flags, strict=True)
+  return jnp.all(jnp.stack(finites)), jnp.any(jnp.stack(nans))
 
 
 def _raveled_by_dtype(
@@ -290,12 +313,12 @@ _MASKS: dict[np.dtype, tuple[np.unsignedinteger, np.unsignedinteger]] = {
 }
 
 
-def _one_pass(leaves: Sequence[jax.Array]) -> jax.Array:
-  """The code of `leaves` (of one shape and dtype), in one pass."""
+def _one_pass(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """`(finite, nan)` of `leaves` (of one shape and dtype), in one pass."""
   masks = _MASKS.get(leaves[0].dtype)
   if masks is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
     (leaf,) = leaves
-    return _code_of_unmasked(leaf)
+    return _flags_of_unmasked(leaf)
   magnitude, inf = masks
   # The largest magnitude over the leaves, element by element, read as
   # integers: no conversion of float16 (which slowed an `x * 0` sum on
@@ -304,48 +327,36 @@ def _one_pass(leaves: Sequence[jax.Array]) -> jax.Array:
   largest = _magnitude_bits(leaves[0], magnitude)
   for x in leaves[1:]:
     largest = lax.max(largest, _magnitude_bits(x, magnitude))
-  # A reduction of two operands at once. XLA on CPU splits a one-operand
-  # reduction into a tree of reduce-windows and materializes its input in
-  # front of it, through a transposing copy when the gradient is a
-  # transposed matmul output; it leaves a reduction of two operands whole,
-  # with its input fused in: one pass over the leaves, no temporary. The
-  # second operand (is any element NaN?) keeps the reduction variadic; the
-  # largest magnitude says it too, and both are used so that XLA keeps both.
-  largest, any_nan = lax.reduce(
-    (largest, lax.gt(largest, inf)),
-    (np.zeros([], largest.dtype), np.bool_(False)),
-    _max_or,
+  # A reduction of two operands at once, both booleans: is every element
+  # finite, is any NaN. XLA on CPU splits a one-operand reduction into a
+  # tree of reduce-windows and materializes its input in front of it,
+  # through a transposing copy when the gradient is a transposed matmul
+  # output (and it did the same to a variadic max of the integers); it
+  # leaves this reduction whole, with its input fused in: one pass over the
+  # leaves, no temporary.
+  finite, any_nan = lax.reduce(
+    (lax.lt(largest, inf), lax.gt(largest, inf)),
+    (np.bool_(True), np.bool_(False)),
+    _and_or,
     tuple(range(largest.ndim)),
   )
-  return jnp.where(any_nan, _code(NAN), _code_from_largest(largest, inf))
+  return finite, any_nan
 
 
 def _magnitude_bits(x: jax.Array, mask: np.unsignedinteger) -> jax.Array:
   return lax.bitwise_and(lax.bitcast_convert_type(x, mask.dtype), mask)
 
 
-def _code_from_largest(
-  largest: jax.Array, inf: np.unsignedinteger
-) -> jax.Array:
-  """The code of a leaf whose largest magnitude, read as bits, is `largest`."""
-  return lax.select(
-    lax.gt(largest, inf),
-    _code(NAN),
-    lax.select(lax.eq(largest, inf), _code(INF), _code(FINITE)),
-  )
+def _flags_of_unmasked(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(finite, nan)` of a leaf of a dtype without a magnitude mask (complex,
+  or float8, in whose e4m3fn NaN is not all ones)."""
+  return jnp.all(jnp.isfinite(x)), jnp.any(jnp.isnan(x))
 
 
-def _code_of_unmasked(x: jax.Array) -> jax.Array:
-  """The code of a leaf of a dtype without a magnitude mask (complex, or
-  float8, in whose e4m3fn NaN is not all ones)."""
-  code = jnp.where(jnp.all(jnp.isfinite(x)), FINITE, INF)
-  return jnp.where(jnp.any(jnp.isnan(x)), NAN, code).astype(CODE_DTYPE)
-
-
-def _max_or(
+def _and_or(
   a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
-  return lax.max(a[0], b[0]), a[1] | b[1]
+  return a[0] & b[0], a[1] | b[1]
 
 
 # Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU
@@ -353,13 +364,13 @@ def _max_or(
 _LEAVES_PER_CONCATENATION = 64
 
 
-def _concatenated(*leaves: jax.Array) -> jax.Array:
-  codes = []
+def _concatenated(*leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
+  flags = []
   for flat in _raveled_by_dtype(leaves):
     for start in range(0, len(flat), _LEAVES_PER_CONCATENATION):
       group = flat[start : start + _LEAVES_PER_CONCATENATION]
-      codes.append(_largest_magnitude_code(jnp.concatenate(group)))
-  return _worst(codes)
+      flags.append(_largest_magnitude(jnp.concatenate(group)))
+  return _all_and_any(flags)
 
 
 def reduce_across(codes: jax.Array, axis_name: _config.AxisName) -> jax.Array:

@@ -135,7 +135,10 @@ def _recorded(
   )
   # A NaN step is not also an inf step in the record: it says NaN.
   cause = jnp.where(outcome.grads_nan, cause & ~CAUSE_INF, cause)
+  # The slot to write, as a mask: a select of each small array, which XLA
+  # fuses, rather than a scatter into it.
   slot = state.total_notfinite % RECENT_SKIPS
+  write = skipped & (jnp.arange(RECENT_SKIPS, dtype=COUNTER_DTYPE) == slot)
   event = (
     state.steps,
     cause.astype(COUNTER_DTYPE),
@@ -143,7 +146,7 @@ def _recorded(
     new_scale.astype(SCALE_DTYPE),
   )
   return SkipEvents._make(
-    jnp.where(skipped, ring.at[slot].set(value), ring)
+    jnp.where(write, value, ring)
     for ring, value in zip(state.recent_skips, event, strict=True)
   )
 

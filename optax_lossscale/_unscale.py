@@ -158,7 +158,6 @@ def unscale_check_adjust(
     # Dividing by a scale below 1 can overflow a finite gradient: check the
     # very values that are passed on.
     verdict = _finite.check(unscaled, per_leaf=config.leaf_stats)
-    grads_code = verdict.code
   else:
     # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
     # incoming gradient decides, as it arrives: XLA then need not
@@ -166,9 +165,8 @@ def unscale_check_adjust(
     # from `set_loss_scale`; it counts as an overflow, and backoff returns
     # it to `min_scale`.
     verdict = _finite.check(updates, per_leaf=config.leaf_stats)
-    below_one = jnp.where(scale >= 1, _finite.FINITE, _finite.INF)
-    grads_code = lax.max(verdict.code, below_one.astype(_finite.CODE_DTYPE))
-  outcome = _agreed_outcome(grads_code, verdict, value, config)
+    verdict = verdict._replace(finite=verdict.finite & (scale >= 1))
+  outcome = _agreed_outcome(verdict, value, config)
   new_state = _rule.next_state(state, outcome, config)
   applied = new_state.last_finite
   last_finite = _donation.last_finite_flag(state.last_finite, applied)
@@ -176,30 +174,37 @@ def unscale_check_adjust(
 
 
 def _agreed_outcome(
-  grads_code: jax.Array,
-  verdict: _finite.Verdict,
-  value: Any,
-  config: LossScaleConfig,
+  verdict: _finite.Verdict, value: Any, config: LossScaleConfig
 ) -> _rule.Outcome:
   """The step's outcome, the same on every replica of `axis_name`: the
   codes of the gradients, of the loss and of each leaf travel together, as
   one int32 vector."""
-  loss_code = (
-    jnp.zeros([], _finite.CODE_DTYPE)
-    if value is None
-    else _finite.check(value).code
+  grads_finite, grads_nan = verdict.finite, verdict.nan
+  loss_finite = (
+    jnp.ones([], jnp.bool_) if value is None else _finite.check(value).finite
   )
-  codes = [grads_code[None], loss_code[None]]
-  if verdict.leaf_codes is not None:
-    codes.append(verdict.leaf_codes)
-  agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
+  leaf_codes = verdict.leaf_codes
+  if config.axis_name is not None:
+    # One vector crosses the replicas; without an axis, nothing to pack.
+    codes = [
+      verdict.code[None],
+      _finite.code_of(loss_finite, jnp.zeros([], jnp.bool_))[None],
+    ]
+    if leaf_codes is not None:
+      codes.append(leaf_codes)
+    agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
+    grads_finite = agreed[0] == _finite.FINITE
+    grads_nan = agreed[0] == _finite.NAN
+    loss_finite = agreed[1] == _finite.FINITE
+    if leaf_codes is not None:
+      leaf_codes = agreed[2:]
   leaf_notfinite = None
-  if verdict.leaf_codes is not None:
-    leaf_notfinite = list(agreed[2:] != _finite.FINITE)
+  if leaf_codes is not None:
+    leaf_notfinite = list(leaf_codes != _finite.FINITE)
   return _rule.Outcome(
-    grads_finite=agreed[0] == _finite.FINITE,
-    grads_nan=agreed[0] == _finite.NAN,
-    loss_finite=agreed[1] == _finite.FINITE,
+    grads_finite=grads_finite,
+    grads_nan=grads_nan,
+    loss_finite=loss_finite,
     leaf_notfinite=leaf_notfinite,
   )
 
