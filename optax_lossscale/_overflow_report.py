@@ -280,7 +280,6 @@ def _percent(share: float) -> str:
 
 
 _HEADER = (
-  "pass",
   "scope",
   "values",
   "max |x|",
@@ -292,17 +291,25 @@ _HEADER = (
 
 
 def _table(scopes: tuple[ScopeStats, ...]) -> list[str]:
+  """The scopes' float16 numbers, a table per pass."""
   if not scopes:
     return ["No float16 values: nothing to measure against float16's range."]
   rows = [_HEADER] + [_row(s) for s in scopes]
   widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
-  lines = ["Float16 values per scope:"]
-  for row in rows:
+
+  def line(row: tuple[str, ...]) -> str:
     cells = [
-      cell.ljust(width) if i < 2 else cell.rjust(width)
+      cell.ljust(width) if i == 0 else cell.rjust(width)
       for i, (cell, width) in enumerate(zip(row, widths, strict=True))
     ]
-    lines.append("  " + "  ".join(cells).rstrip())
+    return "  " + "  ".join(cells).rstrip()
+
+  lines = []
+  for pass_name in ("forward", "backward"):
+    rows = [_row(s) for s in scopes if s.pass_name == pass_name]
+    if rows:
+      lines += [f"Float16 values of the {pass_name} pass, per scope:"]
+      lines += [line(_HEADER), *map(line, rows), ""]
   return lines + _wrap(
     "doublings: how often the largest value can double before it exceeds"
     " 65504, float16's largest number; halvings: how often the smallest"
@@ -317,11 +324,10 @@ def _row(s: ScopeStats) -> tuple[str, ...]:
   def count(n: int | None) -> str:
     return "-" if n is None else str(n)
 
-  largest = "not finite" if s.nonfinite else f"{s.largest:.3g}"
-  smallest = f"{s.smallest:.3g}" if s.smallest < math.inf else "-"
+  largest = "not finite" if s.nonfinite else f"{s.largest:.4g}"
+  smallest = f"{s.smallest:.4g}" if s.smallest < math.inf else "-"
   share = s.flushed_share
   return (
-    s.pass_name,
     s.scope,
     str(s.values),
     largest,
