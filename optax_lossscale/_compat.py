@@ -128,12 +128,17 @@ _FAST_CPU_COMPILE = {
 
 def compile_for_one_run(lowered: Any) -> Any:
   """`lowered.compile()`, on XLA:CPU told to compile quickly (see
-  `_FAST_CPU_COMPILE`): for a program that runs once."""
-  if jax.default_backend() == "cpu":
+  `_FAST_CPU_COMPILE`): for a program that runs once. An option this
+  jaxlib does not know (it says which) is left out."""
+  options = dict(_FAST_CPU_COMPILE) if jax.default_backend() == "cpu" else {}
+  while options:
     try:
-      return lowered.compile(compiler_options=_FAST_CPU_COMPILE)
-    except Exception:  # pragma: no cover - options a jaxlib does not know
-      pass
+      return lowered.compile(compiler_options=options)
+    except Exception as e:  # refused before compiling: cheap to retry
+      unknown = [name for name in options if name in str(e)]
+      if not unknown:
+        break
+      del options[unknown[0]]
   return lowered.compile()
 
 

@@ -401,17 +401,16 @@ def test_no_host_callback(monkeypatch):
 def test_the_report_displays_in_a_notebook():
   report = ols.find_overflow(layered, W4, X6, scale=2.0**10)
 
-  class Printer:
-    text = ""
-
-    def text(self, s):  # noqa: F811 - IPython's printer has this method
-      Printer.text = s
-
   assert report._repr_html_().startswith("<pre>Overflow in the backward")
   assert "&gt;" in report._repr_html_()  # mul -> float16: escaped
-  printer = Printer()
-  report._repr_pretty_(printer, cycle=False)
-  assert Printer.text == str(report)
+  printed = []
+
+  class Printer:  # IPython's pretty printer, as much as the report uses
+    def text(self, s):
+      printed.append(s)
+
+  report._repr_pretty_(Printer(), cycle=False)
+  assert printed == [str(report)]
 
 
 def test_static_arguments_pass_as_they_are():
@@ -419,3 +418,23 @@ def test_static_arguments_pass_as_they_are():
     return jnp.sum(w * x) * (2.0 if double else 1.0)
 
   assert ols.find_overflow(loss, W4, X6, True).loss == 2 * 4 * 2.0**10
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU options")
+def test_compile_options_a_jaxlib_lacks_are_left_out():
+  options = []
+
+  class Lowered:
+    def compile(self, compiler_options=None):
+      options.append(dict(compiler_options or {}))
+      if "xla_cpu_use_fusion_emitters" in options[-1]:  # as jax 0.12 does
+        raise ValueError(
+          "No such compile option: 'xla_cpu_use_fusion_emitters'"
+        )
+      return "compiled"
+
+  assert _compat.compile_for_one_run(Lowered()) == "compiled"
+  assert options == [
+    {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
+    {"xla_backend_optimization_level": 0},
+  ]
