@@ -37,6 +37,20 @@ _LIBRARY_DIRS = (
 _NO_REFERENCE = frozenset(
   {"bitcast_convert_type", "reduce_precision", "nextafter"}
 )
+# Operations that only move, select or widen values: they make no value of
+# their own (none can turn finite inputs into an inf or a NaN, nor round one
+# to zero), so they are not measured; their outputs stand for their inputs.
+_MOVES = frozenset(
+  {
+    "broadcast_in_dim", "clamp", "concatenate", "copy", "copy_p",
+    "device_put", "dynamic_slice", "dynamic_update_slice", "expand_dims",
+    "gather", "max", "min", "neg", "optimization_barrier", "pad",
+    "reduce_max", "reduce_min", "reshape", "rev", "select_n",
+    "sharding_constraint", "slice", "squeeze", "stop_gradient", "transpose",
+  }
+)  # fmt: skip
+# A literal that is not finite (a -inf mask's).
+_NONFINITE_LITERAL = -1
 # Scope names jax makes itself; they name no user scope.
 _JAX_SCOPES = frozenset({"rematted_computation"})
 
@@ -48,8 +62,9 @@ def find_overflow(
 
   Runs ``fun(*args)`` (a scalar loss) and its gradient with respect to
   ``args[0]`` once, at loss scale ``scale``, and checks every value every
-  operation makes: the first one that is not finite is named by its pass
-  (forward or backward), its primitive, its name scopes
+  operation makes. The first operation whose output is not finite although
+  its inputs are (or an argument that holds an inf or a NaN already) is
+  named by its pass (forward or backward), its primitive, its name scopes
   (``jax.named_scope``, Flax Linen module paths, Equinox layer names), the
   line of user code that made it and the call path there (module methods
   included, such as ``MLP.__call__ > Linear.__call__``). Use it on the batch
@@ -65,12 +80,16 @@ def find_overflow(
   before the backward pass overflows.
 
   Every floating-point output is checked for infs and NaNs; only float16
-  ones are measured against its range. bfloat16 has float32's range (up to
-  about ``3.4e38``), so it overflows where float32 does and needs no loss
-  scale; its short mantissa (8 bits) costs precision, not range, which this
-  finder does not measure. Calls (``jit``), ``remat`` and custom
-  derivatives are entered; ``scan``, ``while_loop`` and ``cond`` are not:
-  a non-finite value coming out of one is reported as made inside it.
+  ones are measured against its range. An inf written in the code (a
+  ``-inf`` mask) is no overflow, and neither is what it passes on.
+  Operations that only move, select or widen values (reshapes, broadcasts,
+  ``where``, ``max``) make no value of their own and are not measured.
+  bfloat16 has float32's range (up to about ``3.4e38``), so it overflows
+  where float32 does and needs no loss scale; its short mantissa (8 bits)
+  costs precision, not range, which this finder does not measure. Calls
+  (``jit``), ``remat`` and custom derivatives are entered; ``scan``,
+  ``while_loop`` and ``cond`` are not: a non-finite value coming out of
+  one is reported as made inside it.
 
   Args:
     fun: the loss function, returning a floating-point scalar. Its first
@@ -83,7 +102,7 @@ def find_overflow(
       optimizer state that :func:`loss_scale` accepts (its current scale).
 
   Returns:
-    An ``OverflowReport``: false when every value is finite. ``str(report)``
+    An ``OverflowReport``: false when no value overflowed. ``str(report)``
     says where (and prints a table of the scopes); ``report.first`` is the
     first non-finite value (``pass_name``, ``primitive``, ``scope``,
     ``source``, ``code``, ``call_path``, ``boundary``, ``dtype``, ``shape``,
@@ -135,17 +154,24 @@ def find_overflow(
   recorder = _Recorder()
 
   def instrumented(consts: list[Any], inputs: list[Any]) -> Any:
-    for label, value in zip(labels, inputs, strict=True):
-      recorder.input(label, value)
-    for value in consts:
-      recorder.input("an array `fun` closes over", value)
     env = dict(zip(closed.jaxpr.constvars, consts, strict=True))
     env.update(zip(closed.jaxpr.invars, inputs, strict=True))
+    origin = {
+      v: recorder.input(label, value, "input")
+      for v, label, value in zip(
+        closed.jaxpr.invars, labels, inputs, strict=True
+      )
+    }
+    for v, value in zip(closed.jaxpr.constvars, consts, strict=True):
+      # Part of the code, not of the data: a -inf mask, say.
+      origin[v] = recorder.input(
+        "an array `fun` closes over", value, "constant"
+      )
     outs = _interpret.evaluate(
       closed.jaxpr,
       consts,
       inputs,
-      _Measure(recorder, env, ()),
+      _Measure(recorder, env, origin, ()),
       ruled_calls=True,
     )
     return outs[0], recorder.statistics()
@@ -287,6 +313,9 @@ class _Site:
   dtype: str
   shape: tuple[int, ...]
   has_reference: bool  # a float32 reference says what was flushed
+  # The measured values (indices) whose finiteness decides that of the
+  # equation's inputs; `_NONFINITE_LITERAL` for a literal inf or NaN.
+  inputs: frozenset[int] = frozenset()
 
   @property
   def size(self) -> int:
@@ -303,45 +332,53 @@ class _Recorder:
     self._flushed: list[jax.Array | None] = []  # flattened, or None
     self._serial = 0
 
-  def input(self, label: str, value: Any) -> None:
+  def input(self, label: str, value: Any, kind: str) -> frozenset[int]:
+    """Records an argument (`kind` "input") or a constant of the program;
+    returns the value's origin."""
     if not _is_float_array(value):
-      return
+      return frozenset()
     self._serial += 1
-    where = _Where("input", label, "", "")
+    where = _Where(kind, label, "", "")
     site = _Site(
       self._serial, where, str(value.dtype), tuple(value.shape), False
     )
-    self._add(site, value, None)
+    return frozenset({self._add(site, value, None)})
 
   def operation(
     self,
     eqn: Any,
     outs: list[Any],
     ins: list[Any],
+    inputs: frozenset[int],
     context: tuple[Any, ...],
-  ) -> None:
-    floats = [
-      k
-      for k, v in enumerate(eqn.outvars)
-      if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
-      and not jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)
-    ]
-    if not floats:
-      return
+  ) -> list[frozenset[int]]:
+    """Records `eqn`'s floating-point outputs, made from values of origins
+    `inputs`; returns each output's origin."""
+    floats = [k for k, v in enumerate(eqn.outvars) if _is_float(v.aval)]
+    if not floats or _moves(eqn):
+      return [inputs if k in floats else frozenset() for k in range(len(outs))]
     self._serial += 1
     where = _where(eqn, context)
     halves = [k for k in floats if outs[k].dtype == jnp.float16]
     reference = _float32_reference(eqn, ins) if halves else None
+    origins = [frozenset[int]() for _ in outs]
     for k in floats:
       out = outs[k]
       ref = None if reference is None else reference[k]
       has_reference = ref is not None and out.dtype == jnp.float16
       site = _Site(
-        self._serial, where, str(out.dtype), tuple(out.shape), has_reference
+        self._serial,
+        where,
+        str(out.dtype),
+        tuple(out.shape),
+        has_reference,
+        inputs,
       )
-      self._add(site, out, ref if site.has_reference else None)
+      index = self._add(site, out, ref if site.has_reference else None)
+      origins[k] = frozenset({index})
+    return origins
 
-  def _add(self, site: _Site, value: Any, reference: Any) -> None:
+  def _add(self, site: _Site, value: Any, reference: Any) -> int:
     self._sites.append(site)
     value = jnp.ravel(value)
     self._values.append(value)  # in its dtype: the statistics are exact
@@ -349,6 +386,7 @@ class _Recorder:
       self._flushed.append(None)
     else:
       self._flushed.append((jnp.ravel(reference) != 0) & (value == 0))
+    return len(self._sites) - 1
 
   def statistics(self) -> list[tuple[jax.Array, jax.Array]]:
     """Per group of values of one size and dtype (in `self._groups()`
@@ -398,39 +436,56 @@ class _Recorder:
     counts: np.ndarray,
     magnitudes: np.ndarray,
   ) -> OverflowReport:
-    first, later = None, set()
-    for site, (nan, inf, _), (largest, _) in zip(
-      self._sites, counts, magnitudes, strict=True
-    ):
-      if nan + inf == 0:
-        continue
-      if first is None:
-        w = site.where
-        first = Overflow(
-          pass_name=w.pass_name,
-          primitive=w.primitive,
-          scope=w.scope,
-          source=w.source,
-          code=w.code,
-          call_path=w.call_path,
-          boundary=w.boundary,
-          dtype=site.dtype,
-          shape=site.shape,
-          nan=int(nan),
-          inf=int(inf),
-          size=site.size,
-          largest=float(largest),
-        )
-        first_serial = site.serial
-      elif site.serial != first_serial:
-        later.add(site.serial)
+    nonfinite = counts[:, 0] + counts[:, 1] > 0
+
+    def made_here(i: int, site: _Site) -> bool:
+      """Whether value `i` is the first not finite of its lineage: an
+      argument, or an operation's output from finite inputs (a value that
+      stems from a constant inf, such as a mask, is not an overflow)."""
+      if site.where.pass_name == "constant":
+        return False
+      return not any(
+        j == _NONFINITE_LITERAL or nonfinite[j] for j in site.inputs
+      )
+
+    first = None
+    for i, site in enumerate(self._sites):
+      if nonfinite[i] and made_here(i, site):
+        first = _overflow(site, counts[i], magnitudes[i])
+        break
+    operations = {
+      site.serial
+      for i, site in enumerate(self._sites)
+      if nonfinite[i] and site.where.pass_name in ("forward", "backward")
+    }
     return OverflowReport(
       first=first,
-      later=len(later),
+      nonfinite_operations=len(operations),
       loss=loss,
       scale=scale,
       scopes=_per_scope(self._sites, counts, magnitudes),
     )
+
+
+def _overflow(
+  site: _Site, counts: np.ndarray, magnitudes: np.ndarray
+) -> Overflow:
+  w = site.where
+  return Overflow(
+    pass_name=w.pass_name,
+    primitive=w.primitive,
+    scope=w.scope,
+    source=w.source,
+    code=w.code,
+    call_path=w.call_path,
+    boundary=w.boundary,
+    dtype=site.dtype,
+    shape=site.shape,
+    nan=int(counts[0]),
+    inf=int(counts[1]),
+    size=site.size,
+    largest=float(magnitudes[0]),
+  )
 
 
 def _per_scope(
@@ -442,7 +497,10 @@ def _per_scope(
   for site, (nan, inf, flushed), (largest, smallest) in zip(
     sites, counts, magnitudes, strict=True
   ):
-    if site.dtype != "float16" or site.where.pass_name == "input":
+    if site.dtype != "float16" or site.where.pass_name not in (
+      "forward",
+      "backward",
+    ):
       continue
     g = groups.setdefault(
       (site.where.pass_name, site.where.label),
@@ -530,36 +588,83 @@ def _has_body(eqn: Any) -> bool:
 
 
 class _Measure:
-  """The visitor: records each equation's floating-point outputs, keeping
-  the values it has seen (a float32 reference needs the inputs)."""
+  """The visitor: records each equation's floating-point outputs. It keeps
+  the values it has seen (a float32 reference needs the inputs) and their
+  origins (which measured values decide whether they are finite)."""
 
   def __init__(
-    self, recorder: _Recorder, env: dict[Any, Any], context: tuple[Any, ...]
+    self,
+    recorder: _Recorder,
+    env: dict[Any, Any],
+    origin: dict[Any, frozenset[int]],
+    context: tuple[Any, ...],
   ):
     self._recorder = recorder
     self._env = env
+    self._origin = origin
     self._context = context  # the calls this body is inside, outermost first
-    self._entered: set[int] = set()
+    self._entered: dict[int, tuple[Any, _Measure]] = {}
 
   def _read(self, v: Any) -> Any:
     return v.val if isinstance(v, _compat.Literal) else self._env[v]
 
+  def _origin_of(self, v: Any) -> frozenset[int]:
+    if isinstance(v, _compat.Literal):
+      finite = np.all(np.isfinite(v.val)) if _is_float(v.aval) else True
+      return frozenset() if finite else frozenset({_NONFINITE_LITERAL})
+    return self._origin.get(v, frozenset())
+
   def enter(self, eqn: Any, body: Any) -> "_Measure":
-    self._entered.add(id(eqn))
-    env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-    env.update(zip(body.jaxpr.invars, map(self._read, eqn.invars), strict=True))
-    return _Measure(self._recorder, env, (*self._context, eqn))
+    jaxpr = body.jaxpr
+    env = dict(zip(jaxpr.constvars, body.consts, strict=True))
+    env.update(zip(jaxpr.invars, map(self._read, eqn.invars), strict=True))
+    origin = {v: frozenset[int]() for v in jaxpr.constvars}
+    origin.update(
+      zip(jaxpr.invars, map(self._origin_of, eqn.invars), strict=True)
+    )
+    inner = _Measure(self._recorder, env, origin, (*self._context, eqn))
+    self._entered[id(eqn)] = (body, inner)
+    return inner
 
   def produced(self, eqn: Any, values: list[Any]) -> list[Any]:
-    if id(eqn) in self._entered:
-      self._entered.discard(id(eqn))  # measured inside
+    entered = self._entered.pop(id(eqn), None)
+    if entered is not None:  # measured inside
+      body, inner = entered
+      origins = [inner._origin_of(v) for v in body.jaxpr.outvars]
     else:
+      inputs = frozenset().union(*map(self._origin_of, eqn.invars))
       ins = [self._read(v) for v in eqn.invars]
-      self._recorder.operation(eqn, values, ins, self._context)
-    for v, value in zip(eqn.outvars, values, strict=True):
+      origins = self._recorder.operation(
+        eqn, values, ins, inputs, self._context
+      )
+    for v, value, origin in zip(eqn.outvars, values, origins, strict=True):
       if not isinstance(v, _compat.DropVar):
         self._env[v] = value
+        self._origin[v] = origin
     return values
+
+
+def _is_float(aval: Any) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  return (
+    dtype is not None
+    and jnp.issubdtype(dtype, jnp.floating)
+    and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  )
+
+
+def _moves(eqn: Any) -> bool:
+  """Whether `eqn` only moves, selects or widens values (`_MOVES`)."""
+  name = eqn.primitive.name
+  if name == "convert_element_type":
+    (source,), (target,) = eqn.invars, eqn.outvars
+    return (
+      _is_float(source.aval)
+      and _is_float(target.aval)
+      and jnp.promote_types(source.aval.dtype, target.aval.dtype)
+      == target.aval.dtype
+    )
+  return name in _MOVES
 
 
 def _where(eqn: Any, context: tuple[Any, ...]) -> _Where:

@@ -112,15 +112,19 @@ class OverflowReport:
   """What :func:`find_overflow` found: true when a value was not finite.
 
   Attributes:
-    first: the first non-finite value, in program order, or None.
-    later: how many operations after it made non-finite values too.
+    first: the first value that is not finite, in program order, among
+      the arguments and the outputs of operations whose inputs are all
+      finite; None when there is none.
+    nonfinite_operations: how many operations hold values that are not
+      finite in all: made there, passed on from ``first``, or from a
+      constant inf in the code (a ``-inf`` mask).
     loss: the loss ``fun`` returned (unscaled).
     scale: the loss scale the backward pass ran at.
     scopes: the float16 values of each scope, in program order.
   """
 
   first: Overflow | None
-  later: int
+  nonfinite_operations: int
   loss: float
   scale: float
   scopes: tuple[ScopeStats, ...]
@@ -155,12 +159,19 @@ def format_scale(scale: float) -> str:
 def _verdict(report: OverflowReport) -> list[str]:
   scale = format_scale(report.scale)
   first = report.first
+  carried = report.nonfinite_operations
   if first is None:
-    return _wrap(
-      "No overflow: every floating-point value of the forward pass, and of"
-      f" the backward pass at loss scale {scale}, is finite (loss"
+    text = (
+      "No overflow: every value made by the forward pass, and by the"
+      f" backward pass at loss scale {scale}, is finite (loss"
       f" {report.loss:.6g})."
     )
+    if carried:
+      text += (
+        f" {carried} operation{'s' if carried != 1 else ''} pass on an inf"
+        " or a NaN written in the code (a -inf mask, say)."
+      )
+    return _wrap(text)
   if first.pass_name == "input":
     head = "\n".join(
       _wrap(
@@ -174,11 +185,10 @@ def _verdict(report: OverflowReport) -> list[str]:
       "The first value that is not finite is made by:"
     )
   lines = [*head.splitlines(), *_overflow_lines(first)]
-  if report.later:
-    s = "s" if report.later != 1 else ""
+  if carried > 1:
     lines += _wrap(
-      f"after it, {report.later} more operation{s} made values that are not"
-      " finite (most likely because of this one).",
+      f"{carried} operations hold values that are not finite in all, most"
+      " likely passed on from this one.",
       indent="  ",
     )
   return lines

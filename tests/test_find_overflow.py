@@ -83,10 +83,10 @@ def test_a_cotangent_beyond_float16_is_found_in_the_backward_pass():
 def test_a_healthy_function_reports_nothing():
   report = ols.find_overflow(layered, W4, X6)
   assert not report
-  assert report.first is None and report.later == 0
+  assert report.first is None and report.nonfinite_operations == 0
   assert report.loss == 4 * 2.0**10
   text = str(report)
-  assert text.startswith("No overflow: every floating-point value")
+  assert text.startswith("No overflow: every value made by the forward pass")
   assert "Float16 values of the forward pass, per scope:" in text
   assert all(len(line) <= 79 for line in text.splitlines())
 
@@ -172,6 +172,25 @@ def test_bfloat16_and_float32_are_checked_for_nan_and_inf_only():
 
   first = ols.find_overflow(in_float32, W4, X6).first
   assert (first.dtype, first.primitive, first.inf) == ("float32", "exp", 4)
+
+
+def test_an_inf_written_in_the_code_is_not_an_overflow():
+  def masked(w, x, amplify):
+    logits = x.astype(F16) * w.astype(F16)  # 2**10
+    logits = jnp.where(jnp.arange(4) < 2, logits, -jnp.inf)  # a mask
+    weights = jax.nn.softmax(logits)  # 1/2, 1/2, 0, 0
+    weights = weights * F16(2**9) * F16(amplify)
+    return jnp.sum(weights.astype(jnp.float32))
+
+  report = ols.find_overflow(masked, W4, X6, 1)
+  assert not report and report.nonfinite_operations > 0
+  assert "pass on an inf or a NaN written in the code" in " ".join(
+    str(report).split()
+  )
+  # An overflow after the mask is still found: 2**8 * 2**8 = 2**16.
+  first = ols.find_overflow(masked, W4, X6, 2**8).first
+  assert (first.primitive, first.inf) == ("mul", 2)
+  assert first.code == "weights = weights * F16(2**9) * F16(amplify)"
 
 
 # ------------------------------------------------------------ control flow
