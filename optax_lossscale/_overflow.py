@@ -178,9 +178,8 @@ def find_overflow(
 
   inputs = [*program.differentiated, *program.inputs, jnp.float32(scale_value)]
   consts = list(closed.consts)
-  compiled = _compat.compile_for_one_run(
-    jax.jit(instrumented).lower(consts, inputs)
-  )
+  lowered = jax.jit(instrumented).lower(consts, inputs)
+  compiled = _compat.compile_for_one_run(lowered, recorder.elements())
   loss, statistics = compiled(consts, inputs)
   counts, magnitudes = recorder.unpack(statistics)
   return recorder.report(float(loss), scale_value, counts, magnitudes)
@@ -402,6 +401,10 @@ class _Recorder:
       flushed = jnp.stack([self._flushed_or_none(i) for i in members])
       results.append(_statistics(rows, flushed))
     return results
+
+  def elements(self) -> int:
+    """How many values are measured in all."""
+    return sum(site.size for site in self._sites)
 
   def _flushed_or_none(self, i: int) -> jax.Array:
     flushed = self._flushed[i]

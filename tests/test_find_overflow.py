@@ -407,9 +407,9 @@ def test_no_host_callback(monkeypatch):
   programs = []
   compile_for_one_run = _compat.compile_for_one_run
 
-  def spy(lowered):
+  def spy(lowered, elements):
     programs.append(lowered.as_text())
-    return compile_for_one_run(lowered)
+    return compile_for_one_run(lowered, elements)
 
   monkeypatch.setattr(_compat, "compile_for_one_run", spy)
   assert ols.find_overflow(layered, W4, X6, scale=2.0**10)
@@ -452,8 +452,11 @@ def test_compile_options_a_jaxlib_lacks_are_left_out():
         )
       return "compiled"
 
-  assert _compat.compile_for_one_run(Lowered()) == "compiled"
+  assert _compat.compile_for_one_run(Lowered(), 1000) == "compiled"
   assert options == [
     {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
     {"xla_backend_optimization_level": 0},
   ]
+  options.clear()  # large programs: faster code, for a longer compile
+  assert _compat.compile_for_one_run(Lowered(), 2**28) == "compiled"
+  assert options[-1] == {"xla_backend_optimization_level": 1}
