@@ -14,6 +14,7 @@ from optax_lossscale._optimizer import (
 from optax_lossscale._optimizer import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
+from optax_lossscale._overflow import find_overflow as find_overflow
 from optax_lossscale._readouts import dynamic_counter as dynamic_counter
 from optax_lossscale._readouts import loss_scale as loss_scale
 from optax_lossscale._readouts import nonfinite_leaves as nonfinite_leaves
@@ -48,6 +49,7 @@ __all__ = (
   "SkipStats",
   "all_finite",
   "dynamic_counter",
+  "find_overflow",
   "from_keras_config",
   "loss_scale",
   "loss_scale_optimizer",

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 Var = jex_core.Var
 Literal = jex_core.Literal
 ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
 
 source_info: types.ModuleType | None
@@ -79,6 +80,77 @@ def user_frame(eqn: Any) -> str | None:
   if frame is None:
     return None
   return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+  """`(file, line, function)` of each frame of the code that made `eqn`,
+  innermost first, jax's own frames left out (an empty list when unknown).
+  `function` is the qualified name (`MLP.__call__`)."""
+  if source_info is None:
+    return []
+  try:
+    return [
+      (frame.file_name, frame.start_line, frame.function_name)
+      for frame in source_info.user_frames(eqn.source_info.traceback)
+    ]
+  except Exception:
+    return []
+
+
+def name_scopes(eqn: Any) -> tuple[tuple[str, ...], bool]:
+  """The names in `eqn`'s name stack (`jax.named_scope`, Flax Linen module
+  paths), outermost first, and whether a `transpose` is among its
+  transformations: the equation then belongs to a backward pass."""
+  stack = getattr(eqn.source_info.name_stack, "stack", None)
+  if stack is None:  # pragma: no cover - a name stack of another shape
+    return (), "transpose(" in str(eqn.source_info.name_stack)
+  names, transposed = [], False
+  for element in stack:
+    if type(element).__name__ == "Transform":
+      transposed = transposed or element.name == "transpose"
+    else:
+      names.append(element.name)
+  return tuple(names), transposed
+
+
+# XLA:CPU compiles a program kernel by kernel; a program that reads every
+# intermediate value (the overflow finder's) has a kernel for nearly every
+# operation. The older elemental emitters compile those several times
+# faster, and LLVM's optimization level trades compile time against the
+# speed of the code: level 0 wins for small programs, level 1 from about
+# 2**27 values read (the float16 study's model at 97k parameters crosses
+# it between 8192 and 32768 tokens). Debug options of XLA, not an API: a
+# jaxlib that lacks one compiles without it.
+_QUICK_CPU_COMPILE = {
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_backend_optimization_level": 0,
+}
+_LARGE_CPU_COMPILE = {
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_backend_optimization_level": 1,
+}
+LARGE = 2**27  # elements a program reads, above which its code must be fast
+
+
+def compile_for_one_run(lowered: Any, elements: int) -> Any:
+  """`lowered.compile()` for a program that runs once and reads about
+  `elements` values: on XLA:CPU, compiled quickly (see
+  `_QUICK_CPU_COMPILE`). An option this jaxlib does not know (it says
+  which) is left out."""
+  options: dict[str, Any] = {}
+  if jax.default_backend() == "cpu":
+    options = dict(
+      _LARGE_CPU_COMPILE if elements > LARGE else _QUICK_CPU_COMPILE
+    )
+  while options:
+    try:
+      return lowered.compile(compiler_options=options)
+    except Exception as e:  # refused before compiling: cheap to retry
+      unknown = [name for name in options if name in str(e)]
+      if not unknown:
+        break
+      del options[unknown[0]]
+  return lowered.compile()
 
 
 def shard_map(

@@ -22,6 +22,18 @@ from optax_lossscale import _compat
 # Primitives whose equation holds a closed jaxpr that runs exactly once.
 _CALLS = ("jit", "pjit", "closed_call")
 
+# Primitives whose equation holds a jaxpr that runs exactly once, under a
+# rule of its own: rematerialization, a custom derivative. Entered, the rule
+# is lost, so only a caller whose result is neither differentiated nor
+# compiled for its memory use may enter them (the overflow finder does).
+_RULED_CALLS = (
+  "checkpoint",
+  "remat2",
+  "custom_jvp_call",
+  "custom_vjp_call",
+  "custom_vjp_call_jaxpr",
+)
+
 
 class Visitor(Protocol):
   """What `evaluate` asks of its caller."""
@@ -38,10 +50,19 @@ class Visitor(Protocol):
 
 
 def evaluate(
-  jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], visitor: Visitor
+  jaxpr: Any,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  visitor: Visitor,
+  *,
+  ruled_calls: bool = False,
 ) -> list[Any]:
   """Evaluates `jaxpr` (an open `Jaxpr`) on `consts` and `args`, handing
-  every equation's outputs to `visitor`; returns the jaxpr's outputs."""
+  every equation's outputs to `visitor`; returns the jaxpr's outputs.
+
+  With `ruled_calls`, the bodies of remat and of custom-derivative calls
+  are offered to `visitor.enter` too (see `_RULED_CALLS`).
+  """
   env: dict[Any, Any] = {}
 
   def read(v: Any) -> Any:
@@ -59,10 +80,14 @@ def evaluate(
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     body = call_body(eqn)
+    if body is None and ruled_calls:
+      body = ruled_call_body(eqn)
     inner = None if body is None else visitor.enter(eqn, body)
     if inner is not None:
       with _compat.source_of(eqn, inlined=True):
-        outvals = evaluate(body.jaxpr, body.consts, invals, inner)
+        outvals = evaluate(
+          body.jaxpr, body.consts, invals, inner, ruled_calls=ruled_calls
+        )
     else:
       outvals = bind(eqn, invals)
     write(eqn.outvars, visitor.produced(eqn, outvals))
@@ -101,6 +126,20 @@ def call_body(eqn: Any) -> Any:
   if placed or any(eqn.params.get("donated_invars", ())):
     return None
   return body
+
+
+def ruled_call_body(eqn: Any) -> Any:
+  """The body of a remat or custom-derivative call (a `ClosedJaxpr`), or
+  None; evaluated in the call's place it computes the call's outputs."""
+  if eqn.primitive.name not in _RULED_CALLS:
+    return None
+  for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
+    body = eqn.params.get(key)
+    if isinstance(body, _compat.ClosedJaxpr):
+      return body
+    if isinstance(body, _compat.Jaxpr) and not body.constvars:
+      return _compat.ClosedJaxpr(body, [])  # remat's body is open
+  return None
 
 
 def produced_inside(body: Any) -> list[bool]:

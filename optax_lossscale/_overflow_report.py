@@ -1,0 +1,348 @@
+"""What `find_overflow` returns: the first non-finite value, and how close
+each scope's float16 values run to float16's two edges, in words."""
+
+import dataclasses
+import html
+import math
+import textwrap
+from typing import Any
+
+F16_MAX = 65504.0  # float16's largest finite number
+F16_TINY = 2.0**-24  # float16's smallest positive (subnormal) number
+WIDTH = 79  # of the text, for a terminal and a notebook alike
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+  """The first value that is not finite, and the operation that made it.
+
+  Attributes:
+    pass_name: ``"forward"``, ``"backward"``, or ``"input"`` for an argument
+      of ``fun`` (or an array it closes over) that holds one already.
+    primitive: the jax primitive (``"exp"``, ``"dot_general"``), or, for an
+      input, where it is (``"args[1]['x']"``).
+    scope: the name scopes (``jax.named_scope``, Flax Linen module paths),
+      joined by ``/``; empty when there are none.
+    source: ``"file:line (function)"`` of the user's code that made it.
+    code: the text of that line.
+    call_path: the functions on the way there, outermost first (module
+      methods included: ``MLP.__call__``, ``Linear.__call__``).
+    boundary: ``"scan"``, ``"while"``, ``"cond"`` (or another primitive)
+      when the value comes out of a body the finder does not enter: the
+      overflow happened inside it. None otherwise.
+    dtype, shape: of the value.
+    nan, inf, size: how many of its elements are NaN, infinite, in all.
+    largest: its largest finite magnitude.
+  """
+
+  pass_name: str
+  primitive: str
+  scope: str
+  source: str | None
+  code: str | None
+  call_path: tuple[str, ...]
+  boundary: str | None
+  dtype: str
+  shape: tuple[int, ...]
+  nan: int
+  inf: int
+  size: int
+  largest: float
+
+  def __str__(self) -> str:
+    return "\n".join(_overflow_lines(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeStats:
+  """The float16 values one scope made in one pass.
+
+  Attributes:
+    pass_name: ``"forward"`` or ``"backward"``.
+    scope: the name scopes joined by ``/``, or, where there are none, the
+      function that made the values in parentheses (``"(MLP.__call__)"``).
+    values: float16 values measured (elements of operation outputs).
+    largest: the largest finite magnitude (0 when there is none).
+    smallest: the smallest nonzero finite magnitude (inf when none).
+    nonfinite: values that are NaN or infinite.
+    flushed: values that float16 rounded to zero although the same
+      operation, computed in float32 from the same inputs, gives a nonzero
+      value; counted where the operation made them (a zero passed on is
+      not counted again).
+    flush_checked: values for which that float32 reference exists (not for
+      the outputs of control flow, for instance).
+  """
+
+  pass_name: str
+  scope: str
+  values: int
+  largest: float
+  smallest: float
+  nonfinite: int
+  flushed: int
+  flush_checked: int
+
+  @property
+  def doublings(self) -> int | None:
+    """How many times every value can double before one exceeds float16's
+    largest number (65504); None when nothing finite and nonzero was made
+    or a value is already not finite."""
+    if self.nonfinite or not 0 < self.largest <= F16_MAX:
+      return None
+    return math.floor(math.log2(F16_MAX / self.largest))
+
+  @property
+  def halvings(self) -> int | None:
+    """How many times the smallest nonzero value can halve before it falls
+    below float16's smallest subnormal (2**-24); None without one."""
+    if not 0 < self.smallest < math.inf:
+      return None
+    return math.floor(math.log2(self.smallest / F16_TINY))
+
+  @property
+  def flushed_share(self) -> float | None:
+    """`flushed` over `flush_checked`, or None when nothing was checked."""
+    if not self.flush_checked:
+      return None
+    return self.flushed / self.flush_checked
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+  """What :func:`find_overflow` found: true when a value was not finite.
+
+  Attributes:
+    first: the first value that is not finite, in program order, among
+      the arguments and the outputs of operations whose inputs are all
+      finite; None when there is none.
+    nonfinite_operations: how many operations hold values that are not
+      finite in all: made there, passed on from ``first``, or from a
+      constant inf in the code (a ``-inf`` mask).
+    loss: the loss ``fun`` returned (unscaled).
+    scale: the loss scale the backward pass ran at.
+    scopes: the float16 values of each scope, in program order.
+  """
+
+  first: Overflow | None
+  nonfinite_operations: int
+  loss: float
+  scale: float
+  scopes: tuple[ScopeStats, ...]
+
+  def __bool__(self) -> bool:
+    return self.first is not None
+
+  def __str__(self) -> str:
+    lines = _verdict(self)
+    lines += ["", *_window(self)]
+    lines += ["", *_table(self.scopes)]
+    return "\n".join(lines)
+
+  def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+    """IPython's display: the same text as `str`."""
+    printer.text(str(self))
+
+  def _repr_html_(self) -> str:
+    """Jupyter's display: the text, in a monospace block."""
+    return f"<pre>{html.escape(str(self))}</pre>"
+
+
+def format_scale(scale: float) -> str:
+  """`2^15 (32768)` for a power of two, else the number."""
+  if scale > 0 and math.isfinite(scale):
+    exponent = math.log2(scale)
+    if exponent == int(exponent) and scale != 1:
+      return f"2^{int(exponent)} ({scale:g})"
+  return f"{scale:g}"
+
+
+def _verdict(report: OverflowReport) -> list[str]:
+  scale = format_scale(report.scale)
+  first = report.first
+  carried = report.nonfinite_operations
+  if first is None:
+    text = (
+      "No overflow: every value made by the forward pass, and by the"
+      f" backward pass at loss scale {scale}, is finite (loss"
+      f" {report.loss:.6g})."
+    )
+    if carried:
+      text += (
+        f" {carried} operation{'s' if carried != 1 else ''} pass on an inf"
+        " or a NaN written in the code (a -inf mask, say)."
+      )
+    return _wrap(text)
+  if first.pass_name == "input":
+    head = "\n".join(
+      _wrap(
+        f"Not finite from the start: the input {first.primitive} holds"
+        f" {_counts(first)} before any operation runs."
+      )
+    )
+  else:
+    head = (
+      f"Overflow in the {first.pass_name} pass (loss scale {scale}).\n"
+      "The first value that is not finite is made by:"
+    )
+  lines = [*head.splitlines(), *_overflow_lines(first)]
+  if carried > 1:
+    lines += _wrap(
+      f"{carried} operations hold values that are not finite in all, most"
+      " likely passed on from this one.",
+      indent="  ",
+    )
+  return lines
+
+
+def _wrap(text: str, indent: str = "", hanging: str | None = None) -> list[str]:
+  return textwrap.wrap(
+    text,
+    WIDTH,
+    initial_indent=indent,
+    subsequent_indent=indent if hanging is None else hanging,
+    break_on_hyphens=False,
+  )
+
+
+def _counts(o: Overflow) -> str:
+  parts = [f"{n} {name}" for n, name in ((o.inf, "inf"), (o.nan, "NaN")) if n]
+  return f"{' and '.join(parts)} of {o.size} values"
+
+
+def _overflow_lines(o: Overflow) -> list[str]:
+  shape = ",".join(str(d) for d in o.shape)
+  if o.pass_name == "input":
+    return [f"  value      {o.dtype}[{shape}]: {_counts(o)}"]
+  largest = f"; largest finite |x| {o.largest:.4g}" if o.largest > 0 else ""
+  if o.dtype == "float16" and o.inf:
+    largest += " (float16's largest is 65504)"
+  field = "  {:<11}".format
+  hanging = field("")
+  lines = _wrap(
+    f"{field('operation')}{o.primitive} -> {o.dtype}[{shape}]:"
+    f" {_counts(o)}{largest}",
+    hanging=hanging,
+  )
+  lines += _wrap(
+    f"{field('scope')}{o.scope or '(no name scope)'}", hanging=hanging
+  )
+  if o.boundary is not None:
+    lines += _wrap(
+      f"{field('inside')}a `{o.boundary}`, whose body the finder does not"
+      " enter: the value was made in it",
+      hanging=hanging,
+    )
+  if o.source is not None:
+    lines += _wrap(f"{field('source')}{o.source}", hanging=hanging)
+    if o.code:
+      lines.append(f"{hanging}  {o.code}")
+  if o.call_path:
+    lines += _wrap(
+      f"{field('call path')}{' > '.join(o.call_path)}", hanging=hanging
+    )
+  return lines
+
+
+def _window(report: OverflowReport) -> list[str]:
+  """The loss-scale window the backward pass's float16 values leave."""
+  backward = [s for s in report.scopes if s.pass_name == "backward"]
+  if not backward:
+    return _wrap(
+      "No float16 value in the backward pass: the loss scale has no float16"
+      " range to fit."
+    )
+  scale = format_scale(report.scale)
+  largest = max(s.largest for s in backward)
+  flushed = sum(s.flushed for s in backward)
+  checked = sum(s.flush_checked for s in backward)
+  if any(s.nonfinite for s in backward):
+    text = (
+      f"At loss scale {scale}, the backward pass's float16 values are not"
+      " all finite."
+    )
+  elif largest > 0:
+    room = math.floor(math.log2(F16_MAX / largest))
+    text = (
+      f"At loss scale {scale}, the backward pass's largest float16"
+      f" magnitude is {largest:.4g}: the scale can double {room} more"
+      f" time{'s' if room != 1 else ''} before a backward value overflows."
+    )
+  else:
+    text = f"At loss scale {scale}, the backward pass's float16 values are 0."
+  text += (
+    " (Backward values are proportional to the scale; forward values do not"
+    " depend on it.)"
+  )
+  if checked:
+    text += (
+      f" Flushed to zero in the backward pass: {flushed} of {checked}"
+      f" float16 values ({_percent(flushed / checked)})."
+    )
+  return _wrap(text)
+
+
+def _percent(share: float) -> str:
+  if share == 0:
+    return "0%"
+  if share < 0.0001:
+    return "<0.01%"
+  return f"{100 * share:.2f}%"
+
+
+_HEADER = (
+  "scope",
+  "values",
+  "max |x|",
+  "doublings",
+  "min |x|>0",
+  "halvings",
+  "flushed",
+)
+
+
+def _table(scopes: tuple[ScopeStats, ...]) -> list[str]:
+  """The scopes' float16 numbers, a table per pass."""
+  if not scopes:
+    return ["No float16 values: nothing to measure against float16's range."]
+  rows = [_HEADER] + [_row(s) for s in scopes]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+
+  def line(row: tuple[str, ...]) -> str:
+    cells = [
+      cell.ljust(width) if i == 0 else cell.rjust(width)
+      for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+    ]
+    return "  " + "  ".join(cells).rstrip()
+
+  lines = []
+  for pass_name in ("forward", "backward"):
+    rows = [_row(s) for s in scopes if s.pass_name == pass_name]
+    if rows:
+      lines += [f"Float16 values of the {pass_name} pass, per scope:"]
+      lines += [line(_HEADER), *map(line, rows), ""]
+  return lines + _wrap(
+    "doublings: how often the largest value can double before it exceeds"
+    " 65504, float16's largest number; halvings: how often the smallest"
+    " nonzero one can halve before it falls below 2^-24, float16's"
+    " smallest; flushed: the share of values that float16 rounded to zero"
+    " where the same operation in float32, from the same inputs, is not"
+    " zero."
+  )
+
+
+def _row(s: ScopeStats) -> tuple[str, ...]:
+  def count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+  largest = "not finite" if s.nonfinite else f"{s.largest:.4g}"
+  smallest = f"{s.smallest:.4g}" if s.smallest < math.inf else "-"
+  share = s.flushed_share
+  return (
+    s.scope,
+    str(s.values),
+    largest,
+    count(s.doublings),
+    smallest,
+    count(s.halvings),
+    "-" if share is None else _percent(share),
+  )
