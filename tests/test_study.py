@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from notebooks.study import cli, results, runs, sweep, train
-from notebooks.study.config import Config, SweepPlan
+from notebooks.study import cli, report, results, runs, sweep, train
+from notebooks.study.config import BadBatchPlan, Config, SweepPlan
 from notebooks.study.results import Landing, RunResult, SweepResult
 from notebooks.study.runs import RunSpec, Scaling
 
@@ -143,6 +143,124 @@ def test_main_job_dynamic_grows_and_backs_off(trained):
   assert r.act_flushed_mean < 0.01
 
 
+# ------------------------------------------------ corrupted batches
+
+# The bad-batch job (--corrupt) in small: 20 steps of 4096 tokens on a
+# 64-replica mean, each batch corrupted with probability 0.3 (seed 0 draws
+# 4 of them). What is checked is the bookkeeping and the rule, not the
+# cost, which needs the full job (RESULTS.md, Table 5).
+BAD = BadBatchPlan(share=0.3, steps=20, replicas=64)
+
+
+@pytest.fixture(scope="module")
+def bad_batches():
+  return train.run_bad_batches(BAD, Config(batch=4096))
+
+
+def _before(r):
+  """The scale before each step."""
+  return np.concatenate([[r.initial_scale], r.scale[:-1]])
+
+
+def _words(text):
+  """The report's text with its line wrapping undone."""
+  return " ".join(text.split())
+
+
+def test_corrupted_batches_are_the_same_in_every_run(bad_batches):
+  corrupted = bad_batches.corrupted
+  assert 0 < corrupted.sum() < BAD.steps
+  for name, r in bad_batches.runs.items():
+    # a corrupted batch's loss is NaN, every other loss finite; the step
+    # is skipped (float32 by optax.apply_if_finite), and nothing else is
+    # in this range of scales
+    np.testing.assert_array_equal(~np.isfinite(r.loss), corrupted, name)
+    np.testing.assert_array_equal(r.skipped, corrupted, name)
+    assert r.nonfinite_loss_skips == corrupted.sum(), name
+    assert np.isfinite(r.eval_loss), name
+
+
+def test_keras_rule_halves_the_scale_on_each_corrupted_batch(bad_batches):
+  r = bad_batches.runs["fp16_dynamic"]
+  corrupted = bad_batches.corrupted
+  n = int(corrupted.sum())
+  assert r.spec.backoff_on_nonfinite_loss
+  np.testing.assert_array_equal(r.scale < _before(r), corrupted)
+  np.testing.assert_array_equal(r.scale[corrupted], _before(r)[corrupted] / 2)
+  assert r.final_scale == 2.0**15 / 2**n
+  # the library's counts: every skip is a corrupted batch (NaN loss, NaN
+  # gradients); ordinary overflows would be skips with a finite loss
+  overflows = int(np.sum(r.skipped & np.isfinite(r.loss)))
+  assert r.skip_stats["total_skipped"] == n + overflows
+  assert r.skip_stats["nonfinite_loss_steps"] == n
+  assert r.skip_stats["nan_steps"] == n
+  text = _words(r.skip_report)
+  assert f"the loss itself was not finite in {n} of {n}" in text
+  assert "scale 32768 -> 16384" in text
+
+
+def test_held_scale_ignores_corrupted_batches(bad_batches):
+  r = bad_batches.runs["fp16_dynamic_hold"]
+  n = int(bad_batches.corrupted.sum())
+  assert not r.spec.backoff_on_nonfinite_loss
+  assert np.all(r.scale == 2.0**15)
+  overflows = int(np.sum(r.skipped & np.isfinite(r.loss)))
+  assert r.skip_stats["total_skipped"] == n + overflows
+  assert r.skip_stats["nonfinite_loss_steps"] == n
+  text = _words(r.skip_report)
+  assert f"the loss itself was not finite in {n} of {n}" in text
+  assert "the scale was left as it was" in text
+  assert "scale 32768 -> 32768" in text
+
+
+def test_bad_batch_job_prints_reads_back_and_draws(bad_batches, tmp_path):
+  text = report.format_bad_batches(bad_batches)
+  steps = bad_batches.corrupted_steps
+  assert f"{len(steps)} of {BAD.steps} steps, at steps {steps}" in text
+  assert "ols.skip_report for fp16_dynamic:" in text
+  assert "ols.skip_report for fp16_dynamic_hold:" in text
+  path = tmp_path / "bad.json"
+  results.save(bad_batches, path)
+  back = results.load(path)
+  assert isinstance(back, results.BadBatchResult)
+  assert back.plan == BAD and back.corrupted_steps == steps
+  for name, r in bad_batches.runs.items():
+    b = back.runs[name]
+    assert b.spec == r.spec
+    np.testing.assert_array_equal(b.loss, r.loss)  # NaN back as NaN
+    assert (b.skip_stats, b.skip_report) == (r.skip_stats, r.skip_report)
+  assert report.format_bad_batches(back) == text
+  pytest.importorskip("matplotlib")
+  figures = importlib.import_module("notebooks.study.figures")
+  figures.save_bad_batch_figure(back, tmp_path / "bad.png")
+  assert (tmp_path / "bad.png").stat().st_size > 0
+
+
+def test_corrupted_batch_specs_are_checked():
+  specs = runs.bad_batch_specs(0.04, 64)
+  assert [(s.scaling, s.backoff_on_nonfinite_loss) for s in specs] == [
+    (Scaling.NONE, True),
+    (Scaling.DYNAMIC, True),
+    (Scaling.DYNAMIC, False),
+  ]
+  assert {(s.nan_batch_share, s.replicas) for s in specs} == {(0.04, 64)}
+  for share in (-0.1, 1.0, float("nan")):
+    with pytest.raises(ValueError, match="nan_batch_share must be in"):
+      RunSpec("x", nan_batch_share=share)
+  for scaling, scale in ((Scaling.NONE, None), (Scaling.STATIC, 4.0)):
+    with pytest.raises(ValueError, match="needs dynamic scaling"):
+      RunSpec(
+        "x",
+        scaling=scaling,
+        initial_scale=scale,
+        backoff_on_nonfinite_loss=False,
+      )
+  args = cli.parser().parse_args(["--corrupt", "0.05", "--steps", "30"])
+  plan = cli.bad_batch_plan_from(args)
+  assert (plan.share, plan.steps, plan.replicas) == (0.05, 30, 64)
+  assert cli.total_steps(args) == 90
+
+
 # ------------------------------------------------ runs, sweeps and records
 
 
@@ -171,7 +289,7 @@ def test_run_specs_say_what_they_are():
 
 
 @pytest.mark.parametrize(
-  "module", ["config", "data", "runs", "train", "sweep", "report"]
+  "module", ["config", "data", "model", "runs", "train", "sweep", "report"]
 )
 def test_docstring_examples(module):
   # pytest's --doctest-modules covers optax_lossscale/ and tests/ only

@@ -44,8 +44,12 @@ CPU cores) trains five runs, same seeds, same batches, same steps:
 ``--sweep`` runs the whole study instead (see RESULTS.md for its time): static
 scales 2**0 .. 2**30, dynamic runs from 2**0, 2**15 and 2**32, the sawtooth
 with a short growth interval against the default one, and a data-parallel
-token mean (``--replicas``) where plain float16 breaks down. ``--json PATH``
-writes every number (per-step curves included) to PATH.
+token mean (``--replicas``) where plain float16 breaks down. ``--corrupt
+SHARE`` runs the bad-batch job: on that 64-replica mean, a share of the
+batches corrupted (one NaN each), float32 against dynamic scaling that
+halves its scale on a NaN loss (Keras's rule) and dynamic scaling with
+``backoff_on_nonfinite_loss=False``, with each run's ``ols.skip_report``.
+``--json PATH`` writes every number (per-step curves included) to PATH.
 
 The modules, in the order the study uses them: ``config`` (the settings),
 ``data`` (the corpus, the batches), ``model``, ``runs`` (what a run is:

@@ -1,7 +1,8 @@
 """The command line of ``python notebooks/fp16_study.py``: the main job by
-default, ``--sweep`` for the whole study, ``--merge`` to join sweeps saved
-with ``--json``. The entry point chooses the platform; this module does
-not, so that tests and the notebook import it on any."""
+default, ``--sweep`` for the whole study, ``--corrupt`` for the bad-batch
+job, ``--merge`` to join sweeps saved with ``--json``. The entry point
+chooses the platform; this module does not, so that tests and the notebook
+import it on any."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 import jax
 
 from . import figures, report, results, runs, sweep, train
-from .config import Config, SweepPlan
-from .results import StudyResult, SweepResult
+from .config import BadBatchPlan, Config, SweepPlan
+from .results import BadBatchResult, Result, SweepResult
 
 DESCRIPTION = (
   "Float16 with and without loss scaling, on a small character-level LM."
@@ -60,6 +61,16 @@ def parser() -> argparse.ArgumentParser:
     "replicas (default: all)",
   )
   p.add_argument(
+    "--corrupt",
+    type=float,
+    default=None,
+    metavar="SHARE",
+    help="the bad-batch job: this share of the batches corrupted (one NaN),"
+    " float32 and dynamic scaling with and without a backoff on a NaN"
+    f" loss, {BadBatchPlan.steps} steps (--steps), a global mean over"
+    f" {BadBatchPlan.replicas} replicas (--replicas)",
+  )
+  p.add_argument(
     "--merge",
     nargs="+",
     default=None,
@@ -72,20 +83,38 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def _main_job(args: argparse.Namespace) -> bool:
+  return not (args.sweep or args.corrupt is not None)
+
+
 def config_from(args: argparse.Namespace) -> Config:
   """The shared settings the flags change. ``--static-scale`` is the main
   job's only (the sweep has its grid); ``--replicas`` is the main job's
-  global mean, and the sweep's replica count (``plan_from``)."""
+  global mean, and the sweep's and the bad-batch job's replica count
+  (``plan_from``, ``bad_batch_plan_from``), as are their steps."""
   fields: dict[str, Any] = {"seed": args.seed}
   names = ["batch", "dynamic_scale", "growth_steps"]
-  if not args.sweep:
+  main = _main_job(args)
+  if main:
     names += ["static_scale", "replicas"]
   for name in names:
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
-  if not args.sweep:
+  if main:
     fields["steps"] = 10 if args.short else (args.steps or Config.steps)
   return Config(**fields)
+
+
+def bad_batch_plan_from(args: argparse.Namespace) -> BadBatchPlan:
+  """The bad-batch job the flags ask for: ``--corrupt SHARE``, with
+  ``--steps`` (``--short``: 10) and ``--replicas``."""
+  plan = BadBatchPlan(share=args.corrupt)
+  steps = 10 if args.short else args.steps
+  if steps is not None:
+    plan = dataclasses.replace(plan, steps=steps)
+  if args.replicas is not None:
+    plan = dataclasses.replace(plan, replicas=args.replicas)
+  return plan
 
 
 def plan_from(args: argparse.Namespace) -> SweepPlan:
@@ -114,14 +143,16 @@ def plan_from(args: argparse.Namespace) -> SweepPlan:
   return plan
 
 
-def run(
-  args: argparse.Namespace, progress: train.Progress
-) -> StudyResult | SweepResult:
+def run(args: argparse.Namespace, progress: train.Progress) -> Result:
   """Trains what the flags ask for (or merges saved sweeps)."""
   if args.merge:
     return sweep.merge([results.load_sweep(p) for p in args.merge])
   if args.sweep:
     return sweep.run_sweep(plan_from(args), config_from(args), progress)
+  if args.corrupt is not None:
+    return train.run_bad_batches(
+      bad_batch_plan_from(args), config_from(args), progress
+    )
   return train.run_study(config_from(args), progress)
 
 
@@ -131,30 +162,40 @@ def total_steps(args: argparse.Namespace) -> int:
     return 0
   if args.sweep:
     return sweep.total_steps(plan_from(args))
+  if args.corrupt is not None:
+    plan = bad_batch_plan_from(args)
+    return plan.steps * len(runs.bad_batch_specs(plan.share, plan.replicas))
   return config_from(args).steps * len(runs.MAIN_RUNS)
 
 
-def print_report(result: StudyResult | SweepResult) -> None:
-  """The header line, then the sweep's table or the main job's tables."""
+def print_report(result: Result) -> None:
+  """The header line, then the sweep's table, the bad-batch job's, or the
+  main job's tables."""
   config = result.config
   print(report.format_header(config))
   if isinstance(result, SweepResult):
     print(report.format_sweep(result))
+    return
+  if isinstance(result, BadBatchResult):
+    print(report.format_bad_batches(result))
     return
   note = report.format_replicas_note(config)
   if note is not None:
     print(note)
   print(report.format_table(result))
   print(report.format_scales(result))
+  # One report: the run whose scale moves within the main job.
+  for line in report.skip_report_lines(result.runs, ("fp16_dynamic_g5",)):
+    print(line)
 
 
-def save(
-  result: StudyResult | SweepResult, args: argparse.Namespace, seconds: float
-) -> None:
+def save(result: Result, args: argparse.Namespace, seconds: float) -> None:
   """The figure and the numbers, where the flags ask for them."""
   if args.figure:
     if isinstance(result, SweepResult):
       figures.save_sweep_figure(result, args.figure)
+    elif isinstance(result, BadBatchResult):
+      figures.save_bad_batch_figure(result, args.figure)
     else:
       figures.save_figure(result, args.figure)
     print(f"figure saved to {args.figure}")
@@ -166,7 +207,7 @@ def save(
     print(f"numbers saved to {args.json}")
 
 
-def main(argv: Sequence[str] | None = None) -> StudyResult | SweepResult:
+def main(argv: Sequence[str] | None = None) -> Result:
   """Runs the study as the flags say, printing a progress bar (stderr),
   the tables and the time."""
   from tqdm import tqdm

@@ -81,3 +81,17 @@ class SweepPlan:
     (2.0**15, 20),
     (2.0**15, None),
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class BadBatchPlan:
+  """What ``--corrupt`` trains (notebooks/RESULTS.md, Table 5): the runs of
+  ``runs.bad_batch_specs`` for ``steps`` steps, each batch corrupted with
+  probability ``share`` (the same batches for every run), on a global
+  token mean over ``replicas``: there the gradients sit low in float16's
+  range, so a scale that falls costs (plain float16 diverges there, Table
+  4). With seed 0 and 200 steps, 13 batches are corrupted."""
+
+  share: float = 0.04
+  steps: int = 200
+  replicas: int = 64

@@ -72,3 +72,23 @@ def make_batch(
   idx = starts[:, None] + jnp.arange(context + 1)[None, :]
   window = tokens[idx]
   return window[:, :context], window[:, context]
+
+
+# Folded into a batch's key for the draw that decides whether the batch is
+# corrupted, so that the draw is independent of the batch's contents.
+_CORRUPTION_STREAM = 0xBAD
+
+
+def is_corrupted(key: jax.Array, share: float) -> jax.Array:
+  """Whether the batch drawn from ``key`` is a corrupted one, with
+  probability ``share``: a bool scalar, drawn from the batch's own key, so
+  that every run of a job has the same corrupted batches.
+
+  >>> keys = jax.random.split(jax.random.PRNGKey(0), 1000)
+  >>> int(jax.vmap(lambda k: is_corrupted(k, 0.05))(keys).sum())
+  49
+  >>> bool(is_corrupted(keys[0], 0.0))
+  False
+  """
+  draw = jax.random.uniform(jax.random.fold_in(key, _CORRUPTION_STREAM))
+  return draw < share

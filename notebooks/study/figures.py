@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .results import RunResult, StudyResult, SweepResult
+from .results import BadBatchResult, RunResult, StudyResult, SweepResult
 from .runs import Scaling
 
 Window = tuple[float, float] | None
@@ -188,6 +188,28 @@ def save_sweep_figure(result: SweepResult, path: str | os.PathLike) -> None:
     plot_sawtooth(ax[1, 0], ax[1, 1], result)
   if result.replicas is not None:
     plot_replicas(ax[1, 2], result, fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def save_bad_batch_figure(
+  result: BadBatchResult, path: str | os.PathLike
+) -> None:
+  """``--corrupt``'s figure: the dynamic runs' scales, and every run's
+  training loss against float32's (a gap on each corrupted step, whose
+  loss is NaN); the corrupted steps as grey lines."""
+  plt = _pyplot()
+  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80)
+  scaled = {k: r for k, r in result.runs.items() if r.spec.scaled}
+  plot_scales(a, scaled)
+  a.set_title(f"loss scale, {result.plan.share:g} of batches corrupted")
+  plot_loss_gap(
+    b, scaled, result.runs["fp32"], f"{result.config.replicas} replicas"
+  )
+  for ax in (a, b):
+    for step in result.corrupted_steps:
+      ax.axvline(step, color="grey", lw=0.5, alpha=0.5)
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)

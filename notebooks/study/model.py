@@ -42,20 +42,42 @@ def apply(
   x: jax.Array,
   depth: int,
   taps: Sequence[jax.Array] | None = None,
+  corrupt: jax.Array | None = None,
 ) -> jax.Array:
   """Logits, in the params' dtype; ``x`` is ``[batch, context]`` int32.
   ``taps`` (zeros, one per pre-activation and one for the logits) exist only
-  so that the gradients w.r.t. activations can be read off."""
+  so that the gradients w.r.t. activations can be read off. ``corrupt``
+  (a bool scalar) makes the batch a corrupted one: one NaN in its embedded
+  activations (``corrupted_embedding``)."""
   dtype = params["embed"].dtype
 
   def tap(i: int) -> jax.Array | int:
     return 0 if taps is None else taps[i].astype(dtype)
 
   h = params["embed"][x].reshape(x.shape[0], -1)
+  if corrupt is not None:
+    h = corrupted_embedding(h, corrupt)
   for i in range(depth):
     layer = params[f"h{i}"]
     h = jnp.tanh(h @ layer["w"] + layer["b"] + tap(i))
   return h @ params["out"]["w"] + params["out"]["b"] + tap(depth)
+
+
+def corrupted_embedding(h: jax.Array, corrupt: jax.Array) -> jax.Array:
+  """The embedded activations ``h`` with a NaN in their first element where
+  ``corrupt``, unchanged elsewhere (``0`` added). The token ids are int32
+  and cannot hold a NaN; a record that decodes to garbage does the same one
+  layer later, and one NaN is enough: it spreads to every logit of its row,
+  to the loss, and through the backward pass to every gradient.
+
+  >>> h = jnp.ones((2, 3), jnp.float16)
+  >>> corrupted_embedding(h, jnp.bool_(True))[0].tolist()
+  [nan, 1.0, 1.0]
+  >>> bool(jnp.all(corrupted_embedding(h, jnp.bool_(False)) == h))
+  True
+  """
+  poison = jnp.where(corrupt, jnp.nan, 0.0).astype(h.dtype)
+  return h.at[0, 0].add(poison)
 
 
 def loss_fn(
@@ -67,6 +89,7 @@ def loss_fn(
   depth: int,
   compute_dtype: Any,
   replicas: int = 1,
+  corrupt: jax.Array | None = None,
 ) -> jax.Array:
   """Token-level mean cross-entropy. The float32 master params are cast to
   ``compute_dtype`` here, inside the differentiated function, so that the
@@ -75,9 +98,10 @@ def loss_fn(
 
   With ``replicas = R > 1`` this is one data-parallel replica's share of a
   global token mean: its tokens' summed loss divided by ``R`` times its own
-  token count (the global count when every replica holds as many)."""
+  token count (the global count when every replica holds as many).
+  ``corrupt``: see ``apply``."""
   p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-  logits = apply(p, x, depth, taps).astype(jnp.float32)
+  logits = apply(p, x, depth, taps, corrupt).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits)
   nll = -jnp.take_along_axis(logp, y[:, None], axis=1)
   return jnp.sum(nll) / (nll.size * replicas)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .config import Config
-from .results import RunResult, StudyResult, SweepResult
+from .results import BadBatchResult, RunResult, StudyResult, SweepResult
 from .runs import DEFAULT_GROWTH_STEPS, Scaling
 
 
@@ -76,9 +76,10 @@ def describe_scaling(r: RunResult) -> str:
   """How a scaled run scales, in words."""
   if r.spec.scaling is Scaling.DYNAMIC:
     growth = r.spec.growth_steps or DEFAULT_GROWTH_STEPS
+    hold = "" if r.spec.backoff_on_nonfinite_loss else ", no NaN-loss backoff"
     return (
       f"dynamic from {pow2(r.initial_scale)}, growth every "
-      f"{growth} finite steps"
+      f"{growth} finite steps{hold}"
     )
   return f"static {pow2(r.initial_scale)}"
 
@@ -213,3 +214,72 @@ def format_sweep(result: SweepResult) -> str:
   if result.replicas is not None:
     lines += _replica_lines(result)
   return "\n".join(lines)
+
+
+def format_changes(r: RunResult) -> str:
+  """Every change of the scale, ``step:2**k`` (steps from 1), or "none".
+
+  >>> import numpy as np
+  >>> from notebooks.study import runs
+  >>> r = RunResult(runs.dynamic(4.0, 20, "d"), np.zeros(4),
+  ...               np.array([2.0, 2.0, 4.0, 4.0]), np.zeros(4, bool),
+  ...               0.0, 0.0, [], initial_scale=4.0)
+  >>> format_changes(r)
+  '1:2**1, 3:2**2'
+  """
+  before = np.concatenate([[r.initial_scale], r.scale[:-1]])
+  changed = np.nonzero(r.scale != before)[0]
+  return ", ".join(f"{i + 1}:{pow2(r.scale[i])}" for i in changed) or "none"
+
+
+def _indented(text: str) -> list[str]:
+  return [f"  {line}" for line in text.splitlines()]
+
+
+def format_bad_batches(result: BadBatchResult) -> str:
+  """``--corrupt``: which steps were corrupted; per run the held-out loss
+  against float32, the skips (those with a NaN loss apart), the flushed
+  share and the scale; each scaled run's scale changes and its
+  ``skip_report``."""
+  c, plan = result.config, result.plan
+  steps = result.corrupted_steps
+  lines = [
+    f"bad batches: each batch corrupted (one NaN in its embedded"
+    f" activations) with probability {plan.share:g}: {len(steps)} of"
+    f" {c.steps} steps, at steps {steps}",
+    f"each of {c.replicas} replicas divides its {c.batch} tokens' loss by"
+    f" {c.replicas * c.batch}",
+    f"{'run':<19}{'eval loss':>10}{'vs fp32':>9}{'acc %':>7}"
+    f"{'skipped':>9}{'NaN loss':>10}{'act flushed %':>15}{'final scale':>13}",
+  ]
+  ref = result.runs["fp32"].eval_loss
+  for name, r in result.runs.items():
+    lines.append(
+      f"{name:<19}{r.eval_loss:>10.4f}{r.eval_loss - ref:>+9.4f}"
+      f"{100 * r.eval_acc:>7.2f}{r.skipped_total:>9d}"
+      f"{r.nonfinite_loss_skips:>10d}{_percent(r.act_flushed_mean):>15}"
+      f"{pow2(r.final_scale):>13}"
+    )
+  for name, r in result.runs.items():
+    if not r.spec.scaled:
+      continue
+    lines.append(
+      f"{name} ({describe_scaling(r)}): scale changes (step:scale)"
+      f" {format_changes(r)}"
+    )
+  lines += skip_report_lines(result.runs)
+  return "\n".join(lines)
+
+
+def skip_report_lines(
+  runs: dict[str, RunResult], names: tuple[str, ...] | None = None
+) -> list[str]:
+  """The ``ols.skip_report`` text of the named runs (default: every run
+  that has one), each under its name, indented."""
+  lines = []
+  for name in names or tuple(runs):
+    text = runs[name].skip_report if name in runs else None
+    if text is not None:
+      lines.append(f"ols.skip_report for {name}:")
+      lines += _indented(text)
+  return lines

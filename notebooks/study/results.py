@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import Config, SweepPlan
+from .config import BadBatchPlan, Config, SweepPlan
 from .runs import RunSpec, Scaling
 
 
@@ -22,9 +22,13 @@ class RunResult:
   its held-out ``eval_loss`` and ``eval_acc``, and the flush statistics at
   the checkpoints (``probes.flush_stats``, with the ``step``). The counts
   are derived from the curves, so a result read back from JSON agrees with
-  the one that was saved. ``params`` and ``opt_state`` are the final ones
-  when training was asked to keep them (the notebook's histograms).
-  Compared by identity: its fields are arrays."""
+  the one that was saved. For the scaled runs, ``skip_stats`` holds the
+  library's own counts at the end (``ols.skip_stats``: ``total_skipped``,
+  ``skipped_in_a_row``, ``nan_steps``, ``nonfinite_loss_steps``) and
+  ``skip_report`` the text of ``ols.skip_report``. ``params`` and
+  ``opt_state`` are the final ones when training was asked to keep them
+  (the notebook's histograms). Compared by identity: its fields are
+  arrays."""
 
   spec: RunSpec
   loss: np.ndarray
@@ -35,6 +39,8 @@ class RunResult:
   flush: list[dict[str, float]]
   initial_scale: float
   seconds: float = math.nan
+  skip_stats: dict[str, int] | None = None
+  skip_report: str | None = None
   params: Any = None
   opt_state: Any = None
 
@@ -77,6 +83,11 @@ class RunResult:
   @property
   def skipped_percent(self) -> float:
     return 100 * self.skipped_total / len(self.skipped)
+
+  @property
+  def nonfinite_loss_skips(self) -> int:
+    """Skipped steps whose loss was not finite (a corrupted batch)."""
+    return int(np.sum(self.skipped & ~np.isfinite(self.loss)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,6 +133,26 @@ class SweepResult:
     return {k: r for k, r in self.runs.items() if r.spec.scaling is scaling}
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class BadBatchResult:
+  """``--corrupt``: the config (its steps and replicas the plan's), the
+  plan, which steps had a corrupted batch (``corrupted``, a bool per
+  step), and the runs by name."""
+
+  config: Config
+  plan: BadBatchPlan
+  corrupted: np.ndarray
+  runs: dict[str, RunResult]
+
+  @property
+  def corrupted_steps(self) -> list[int]:
+    """The corrupted steps, counted from 1."""
+    return (np.nonzero(self.corrupted)[0] + 1).tolist()
+
+
+Result = StudyResult | SweepResult | BadBatchResult
+
+
 # ---------------------------------------------------------------- to JSON
 
 
@@ -161,6 +192,8 @@ def run_to_json(r: RunResult) -> dict[str, Any]:
       "final_scale": r.final_scale,
       "skipped_total": r.skipped_total,
       "seconds": r.seconds,
+      "skip_stats": r.skip_stats,
+      "skip_report": r.skip_report,
     }
   )
 
@@ -169,10 +202,17 @@ def _runs_to_json(runs: dict[str, RunResult]) -> dict[str, Any]:
   return {name: run_to_json(r) for name, r in runs.items()}
 
 
-def to_json(result: StudyResult | SweepResult) -> dict[str, Any]:
+def to_json(result: Result) -> dict[str, Any]:
   """A result as plain JSON values (``load`` reads it back)."""
   out: dict[str, Any] = {"config": dataclasses.asdict(result.config)}
   if isinstance(result, StudyResult):
+    out["runs"] = _runs_to_json(result.runs)
+    return _plain(out)
+  if isinstance(result, BadBatchResult):
+    out["bad_batches"] = {
+      "plan": dataclasses.asdict(result.plan),
+      "corrupted": result.corrupted,
+    }
     out["runs"] = _runs_to_json(result.runs)
     return _plain(out)
   out["sweep"] = dataclasses.asdict(result.plan)
@@ -190,9 +230,7 @@ def to_json(result: StudyResult | SweepResult) -> dict[str, Any]:
   return _plain(out)
 
 
-def save(
-  result: StudyResult | SweepResult, path: str | os.PathLike, **extra: Any
-) -> None:
+def save(result: Result, path: str | os.PathLike, **extra: Any) -> None:
   """Writes ``to_json(result)`` and ``extra`` (the time, the versions)."""
   with open(path, "w") as f:
     json.dump({**to_json(result), **_plain(extra)}, f)
@@ -207,17 +245,20 @@ def _nan(value: Any) -> Any:
 
 def run_from_json(value: dict[str, Any], name: str) -> RunResult:
   """A run saved by ``run_to_json`` (or by the study before specs had a
-  type), its curves back as numpy arrays."""
+  type), its curves back as numpy arrays (a NaN loss, saved as null, back
+  as NaN)."""
   return RunResult(
     spec=RunSpec.from_json(value["spec"], name),
-    loss=np.asarray(value["loss"]),
-    scale=np.asarray(value["scale"]),
-    skipped=np.asarray(value["skipped"]),
+    loss=np.asarray(value["loss"], dtype=float),
+    scale=np.asarray(value["scale"], dtype=float),
+    skipped=np.asarray(value["skipped"], dtype=bool),
     eval_loss=_nan(value["eval_loss"]),
     eval_acc=_nan(value["eval_acc"]),
     flush=[{k: _nan(v) for k, v in f.items()} for f in value["flush"]],
     initial_scale=value["initial_scale"],
     seconds=_nan(value.get("seconds")),
+    skip_stats=value.get("skip_stats"),
+    skip_report=value.get("skip_report"),
   )
 
 
@@ -241,11 +282,20 @@ def plan_from_json(value: dict[str, Any]) -> SweepPlan:
   return SweepPlan(**fields)
 
 
-def from_json(value: dict[str, Any]) -> StudyResult | SweepResult:
+def from_json(value: dict[str, Any]) -> Result:
   """The inverse of ``to_json``: a ``SweepResult`` where the file has a
-  sweep plan, else a ``StudyResult``."""
+  sweep plan, a ``BadBatchResult`` where it has a bad-batch plan, else a
+  ``StudyResult``."""
   config = Config(**value["config"])
   runs = _runs_from_json(value["runs"])
+  if "bad_batches" in value:
+    bad = value["bad_batches"]
+    return BadBatchResult(
+      config=config,
+      plan=BadBatchPlan(**bad["plan"]),
+      corrupted=np.asarray(bad["corrupted"], dtype=bool),
+      runs=runs,
+    )
   if "sweep" not in value:
     return StudyResult(config=config, runs=runs)
   parts = {
@@ -267,7 +317,7 @@ def from_json(value: dict[str, Any]) -> StudyResult | SweepResult:
   )
 
 
-def load(path: str | os.PathLike) -> StudyResult | SweepResult:
+def load(path: str | os.PathLike) -> Result:
   """A result saved with ``--json``."""
   with open(path) as f:
     return from_json(json.load(f))

@@ -57,12 +57,22 @@ class RunSpec:
   gradients by R before the update (the all-reduce sum of R replicas
   holding the same batch).
 
+  ``nan_batch_share``: the probability that a batch is corrupted (one NaN
+  in its embedded activations, so its loss and gradients are NaN; which
+  batches is drawn from each batch's key, the same for every run).
+  ``backoff_on_nonfinite_loss``: ``loss_scale_optimizer``'s argument, for
+  the dynamic runs: whether a step with a NaN loss halves the scale (True,
+  Keras's rule) or leaves it (False); both skip the step.
+
   >>> spec = static(2.0**10)
   >>> spec.name, spec.scaling.value, spec.scaled
   ('static 2**10', 'static', True)
   >>> RunSpec("x", scaling=Scaling.STATIC)
   Traceback (most recent call last):
   ValueError: run 'x': a static scale needs initial_scale
+  >>> RunSpec("x", nan_batch_share=1.0)
+  Traceback (most recent call last):
+  ValueError: run 'x': nan_batch_share must be in [0, 1), not 1.0
   """
 
   name: str
@@ -71,6 +81,8 @@ class RunSpec:
   initial_scale: float | None = None
   growth_steps: int | None = None
   replicas: int = 1
+  nan_batch_share: float = 0.0
+  backoff_on_nonfinite_loss: bool = True
 
   def __post_init__(self) -> None:
     problem = _problem(self)
@@ -102,7 +114,8 @@ class RunSpec:
     ...                    "initial_scale": 4.0}, "static 2**2")
     ... # doctest: +NORMALIZE_WHITESPACE
     RunSpec(name='static 2**2', dtype='float16', scaling=<Scaling.STATIC:
-    'static'>, initial_scale=4.0, growth_steps=None, replicas=1)
+    'static'>, initial_scale=4.0, growth_steps=None, replicas=1,
+    nan_batch_share=0.0, backoff_on_nonfinite_loss=True)
     """
     if "scaling" in value:
       return cls(**{**value, "scaling": Scaling(value["scaling"])})
@@ -133,6 +146,15 @@ def _problem(spec: RunSpec) -> str | None:
       return "a static scale needs initial_scale"
     if spec.growth_steps is not None:
       return "a static scale does not grow: growth_steps must be None"
+  # `not 0 <= share < 1` also refuses NaN
+  if not 0.0 <= spec.nan_batch_share < 1.0:
+    return f"nan_batch_share must be in [0, 1), not {spec.nan_batch_share}"
+  dynamic = spec.scaling is Scaling.DYNAMIC
+  if not (dynamic or spec.backoff_on_nonfinite_loss):
+    return (
+      "backoff_on_nonfinite_loss=False needs dynamic scaling: only a"
+      " dynamic scale backs off"
+    )
   return None
 
 
@@ -201,6 +223,35 @@ def main_specs(config: Config) -> tuple[RunSpec, ...]:
   )
 
 
+def bad_batch_specs(share: float, replicas: int) -> tuple[RunSpec, ...]:
+  """The runs of the bad-batch job (``--corrupt``), each with ``share`` of
+  its batches corrupted (the same ones): float32, which skips them (see
+  ``optimizer``); dynamic scaling at the defaults, whose rule (Keras's)
+  halves the scale on each; and the same with
+  ``backoff_on_nonfinite_loss=False``, which skips them and leaves the
+  scale.
+
+  >>> [s.name for s in bad_batch_specs(0.04, 64)]
+  ['fp32', 'fp16_dynamic', 'fp16_dynamic_hold']
+  """
+  return (
+    RunSpec("fp32", dtype="float32", replicas=replicas, nan_batch_share=share),
+    RunSpec(
+      "fp16_dynamic",
+      scaling=Scaling.DYNAMIC,
+      replicas=replicas,
+      nan_batch_share=share,
+    ),
+    RunSpec(
+      "fp16_dynamic_hold",
+      scaling=Scaling.DYNAMIC,
+      replicas=replicas,
+      nan_batch_share=share,
+      backoff_on_nonfinite_loss=False,
+    ),
+  )
+
+
 def float32_reference(spec: RunSpec) -> RunSpec:
   """The float32 run that a run's gradients are compared with: the same
   loss (replicas included), in float32 and unscaled."""
@@ -208,15 +259,21 @@ def float32_reference(spec: RunSpec) -> RunSpec:
 
 
 def optimizer(spec: RunSpec, lr: float) -> optax.GradientTransformation:
-  """Adam, wrapped in ``loss_scale_optimizer`` for the scaled runs."""
+  """Adam, wrapped in ``loss_scale_optimizer`` for the scaled runs. An
+  unscaled run with corrupted batches wraps it in ``optax.apply_if_finite``
+  instead, which skips a step whose gradients are not finite as the
+  scaled runs do (a zero update, Adam's state kept), without giving up."""
   inner = optax.adam(lr)
   if spec.scaling is Scaling.NONE:
+    if spec.nan_batch_share:
+      return optax.apply_if_finite(inner, max_consecutive_errors=2**30)
     return inner
   if spec.scaling is Scaling.DYNAMIC:
     return ols.loss_scale_optimizer(
       inner,
       initial_scale=spec.initial_scale,
       dynamic_growth_steps=spec.growth_steps,
+      backoff_on_nonfinite_loss=spec.backoff_on_nonfinite_loss,
     )
   return ols.loss_scale_optimizer(
     inner, dynamic=False, initial_scale=spec.initial_scale
@@ -248,10 +305,15 @@ def value_and_grad(
   x: jax.Array,
   y: jax.Array,
   depth: int,
+  corrupt: jax.Array | None = None,
 ) -> tuple[jax.Array, model.Params]:
-  """The loss (this replica's share) and the gradients the run's update
-  receives: scaled for the scaled runs, in the run's dtype."""
+  """The loss (this replica's share, unscaled) and the gradients the run's
+  update receives: scaled for the scaled runs, in the run's dtype. With
+  ``corrupt`` (a bool scalar) the batch may be a corrupted one
+  (``model.apply``)."""
   f = loss(spec, depth)
+  if corrupt is not None:
+    f = functools.partial(f, corrupt=corrupt)
   if spec.scaled:
     return ols.value_and_grad(f)(opt_state, params, x, y)
   return jax.value_and_grad(f)(params, x, y)

@@ -17,8 +17,8 @@ import optax
 import optax_lossscale as ols
 
 from . import data, model, probes, runs
-from .config import Config
-from .results import RunResult, StudyResult
+from .config import BadBatchPlan, Config
+from .results import BadBatchResult, RunResult, StudyResult
 from .runs import RunSpec
 
 # Called with a run's label and the number of steps just trained.
@@ -95,19 +95,25 @@ def make_chunk(
 ) -> Callable[..., Any]:
   """A jitted function running ``config.chunk`` training steps with
   lax.scan, one host round trip per chunk. Each step returns the loss (of
-  the global mean), the scale after it, and whether it was skipped."""
+  the global mean; NaN on a corrupted batch), the scale after it, and
+  whether it was skipped."""
   replicas = spec.replicas
+  share = spec.nan_batch_share
 
   def step(carry, key):
     params, opt_state = carry
     x, y = data.make_batch(key, tokens, config.batch, config.context)
+    # Without corrupted batches, no draw and no NaN is traced at all.
+    corrupt = data.is_corrupted(key, share) if share else None
     loss, grads = runs.value_and_grad(
-      spec, params, opt_state, x, y, config.depth
+      spec, params, opt_state, x, y, config.depth, corrupt
     )
     # One replica's share of the mean, times R: the all-reduce sum of R
     # replicas that hold the same batch.
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * replicas, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    # The unscaled loss: the loss scaler checks it (a NaN loss is a bad
+    # batch, not an overflow), and passes it on to Adam, which ignores it.
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     params = optax.apply_updates(params, updates)
     if spec.scaled:
       scale = ols.loss_scale(opt_state)
@@ -158,6 +164,12 @@ def train(
   eval_loss, eval_acc = (
     float(v) for v in setup.eval_fn(params, *setup.eval_batch)
   )
+  stats, report = None, None
+  if spec.scaled:
+    # Read once, at the end: the library's own counts and its report.
+    read = ols.skip_stats(opt_state)._asdict()
+    stats = {k: int(v) for k, v in read.items() if k != "last_finite"}
+    report = str(ols.skip_report(opt_state, tx))
   return RunResult(
     spec=spec,
     loss=np.concatenate(losses),
@@ -168,6 +180,8 @@ def train(
     flush=flush,
     initial_scale=float(runs.scale(spec, tx.init(setup.params0))),
     seconds=time.perf_counter() - t0,
+    skip_stats=stats,
+    skip_report=report,
     params=params if keep_params else None,
     opt_state=opt_state if keep_params else None,
   )
@@ -202,4 +216,36 @@ def run_study(
       setup, runs.main_specs(setup.config), progress, keep_params=keep_params
     ),
     probe_batch=setup.probe_batch,
+  )
+
+
+def corrupted(setup: Setup, share: float) -> np.ndarray:
+  """Which of the job's steps draw a corrupted batch at this share, a bool
+  per step: the draw the training makes, from the same keys."""
+  keys = setup.keys.reshape(-1, setup.keys.shape[-1])
+  return np.asarray(jax.vmap(lambda k: data.is_corrupted(k, share))(keys))
+
+
+def run_bad_batches(
+  plan: BadBatchPlan | None = None,
+  config: Config | None = None,
+  progress: Progress | None = None,
+) -> BadBatchResult:
+  """``--corrupt``: the runs of ``runs.bad_batch_specs`` on ``config``
+  (default: the main job's) with the plan's steps and replicas, and one
+  flush checkpoint, at the end."""
+  plan = plan or BadBatchPlan()
+  config = dataclasses.replace(
+    config or Config(),
+    steps=plan.steps,
+    replicas=plan.replicas,
+    n_checkpoints=1,
+  )
+  setup = prepare(config)
+  specs = runs.bad_batch_specs(plan.share, plan.replicas)
+  return BadBatchResult(
+    config=setup.config,
+    plan=plan,
+    corrupted=corrupted(setup, plan.share),
+    runs=train_all(setup, specs, progress),
   )
