@@ -112,7 +112,7 @@ def _make_variant(name: str, inner):
       )
       state = state._replace(
         loss_scale_state=_rule.next_state(
-          ls_state, finite, tx.loss_scale_config
+          ls_state, _rule.outcome_of(finite), tx.loss_scale_config
         ),
         inner_state=inner_state,
       )

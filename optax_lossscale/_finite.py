@@ -197,20 +197,23 @@ def _check_on_mesh(
 
 
 def _reduced_where_it_lives(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(finite, nan)` of one leaf whose sharding XLA picks later.
+  """`(finite, nan)` of one leaf whose sharding XLA picks later; `nan` is
+  False there (an unknown NaN counts as an overflow).
 
-  The sum of `|x|` over the elements that are not finite is 0, inf or NaN,
-  exactly as the leaf holds only finite values, infs, or a NaN (a sum, unlike
-  a float max, never drops a NaN). XLA's SPMD partitioner splits this
-  one-operand sum into one sum per shard and an all-reduce of a scalar; a
-  two-operand reduction (`_one_pass`) it gathers first. The zeros are
-  `x - x`, not a broadcast constant, which XLA on CPU materialized.
+  `sum(x - x)` is 0 for finite `x` and NaN otherwise, exactly. XLA's SPMD
+  partitioner splits this one-operand sum into one sum per shard and an
+  all-reduce of a scalar; a two-operand reduction (`_one_pass`) it gathers
+  first. The difference, unlike `x * 0`, needs no broadcast zeros, which
+  XLA on CPU materialized. Telling a NaN from an inf here costs more than it
+  is worth: a select in front of the sum (`|x|` where `x` is not finite)
+  made XLA on CPU materialize the leaf, and a second reduction (a max)
+  added an all-reduce per leaf and, on CPU, dropped the NaN.
   """
   if x.dtype not in _MASKS:  # complex and float8
     return _flags_of_unmasked(x)
-  not_finite = lax.select(lax.is_finite(x), lax.sub(x, x), lax.abs(x))
-  total = lax.reduce_sum(not_finite, tuple(range(x.ndim)))
-  return lax.is_finite(total), lax.ne(total, total)
+  zeros = lax.sub(x, x)
+  total = lax.reduce_sum(zeros, tuple(range(x.ndim)))
+  return lax.is_finite(total), jnp.zeros([], jnp.bool_)
 
 
 def _largest_magnitude(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -98,7 +98,10 @@ class SkipStats(NamedTuple):
     total_skipped: skipped steps in total.
     skipped_in_a_row: skipped steps in a row.
     last_finite: whether the last step was finite (and so applied).
-    nan_steps: skipped steps whose gradients held a NaN, not only infs.
+    nan_steps: skipped steps whose gradients held a NaN, not only infs
+      (on a mesh with `Auto` axes, whose leaves' placement XLA picks after
+      tracing, a NaN there counts as an overflow: telling them apart would
+      copy the leaf).
     nonfinite_loss_steps: skipped steps whose loss (the ``value`` passed to
       ``update``) was not finite, whatever ``backoff_on_nonfinite_loss``
       says.

@@ -87,7 +87,10 @@ def test_leaf_counts_on_a_mesh(axis_type):
     assert counts == {"b": 0, "w1": 1, "w2": 0, "w3": 1}
     stats = ols.skip_stats(state)
     assert int(stats.total_skipped) == 3
-    assert int(stats.nan_steps) == 1
+    # On an Auto mesh the check cannot tell a NaN from an inf without
+    # copying a leaf (`_finite._reduced_where_it_lives`): it counts an
+    # overflow there.
+    assert int(stats.nan_steps) == (axis_type == AxisType.Explicit)
     assert int(stats.nonfinite_loss_steps) == 1
     assert float(ols.loss_scale(state)) == 2.0**8  # two backoffs, one held
     assert_trees_equal(p3, params)  # nothing applied before step 4
