@@ -231,3 +231,17 @@ def test_alternatives_tiny(capsys):
     assert r["median_s"] > 0 and math.isfinite(r["ratio"])
     assert r["temp_bytes"] >= 0
   assert forms["plain"]["ratio"] == pytest.approx(1.0)
+
+
+def test_against_commit_tiny(capsys):
+  """The step of this checkout against HEAD's own, tiny: both import and
+  run side by side."""
+  rows = _load("against_commit").main(["HEAD", "--tiny", "--rounds", "2"])
+  assert {r["variant"] for r in rows} == {
+    "plain",
+    "at_commit",
+    "ours",
+    "ours_leaf_stats",
+  }
+  assert all(r["median_s"] > 0 for r in rows)
+  assert "at_commit" in capsys.readouterr().out
