@@ -36,6 +36,7 @@ def test_overhead_tiny(capsys):
   assert {
     "plain",
     "ours",
+    "ours_select_after",
     "usual_where",
     "apply_if_finite",
     "jmp",
@@ -48,6 +49,32 @@ def test_overhead_tiny(capsys):
     assert r["copies"] >= 0 and r["temp_bytes"] >= 0
   plain = next(r for r in results if r["variant"] == "plain")
   assert plain["ratio"] == pytest.approx(1.0)
+
+
+def test_compile_time_tiny(capsys):
+  module = _load("compile_time")
+  results = module.main(["--tiny", "--passes"])
+  out = capsys.readouterr().out
+  assert "device:" in out and "profiled compile" in out
+  ((leaves, found),) = results.items()
+  assert set(found) == {"whole", "post"}
+  for kind, rows in found.items():
+    assert set(rows) == set(module.VARIANTS), kind
+    assert rows["plain"]["ratios"]["total"] == pytest.approx(1.0)
+    for r in rows.values():
+      for key in ("trace", "lower", "compile", "total", "cpu"):
+        assert r[key] > 0, (kind, key)
+      assert r["eqns"] > 0 and r["hlo"] > 0 and r["opt"] > 0
+      assert r["kernels"] > 0 and r["temp_bytes"] >= 0
+      profile = r["profile"]
+      assert profile["wall"] > 0 and profile["kernels_compiled"] > 0
+      assert profile["simplify_iterations"] >= 1
+  # The pieces and the other forms of the check trace and compile too.
+  pieces = module.main(
+    ["--tiny", "--kinds", "post", "--variants", *module.PIECES, *module.CHECKS]
+  )
+  (rows,) = pieces[leaves].values()
+  assert set(rows) == {"plain", *module.PIECES, *module.CHECKS}
 
 
 def test_train_step_tiny(capsys):
