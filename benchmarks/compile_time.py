@@ -41,8 +41,16 @@ Pieces of `ours`, each alone on the plain step (`--variants`), to bisect:
 - `unscale_and_check`: `optax.chain(unscale_and_check(), adam)`: ours
   without the skip.
 
-Other forms of the check inside `ours` (`ours_check_*`, traced in place of
-the package's CPU check; see `CHECKS`).
+Other forms of parts of `ours` (`--variants`):
+
+- `ours_check_*`: the check traced in another form in place of the
+  package's CPU check (see `CHECKS`);
+- `ours_one_multiply`: the unscale as one product by `1 / scale`
+  (`alternatives.py`'s `one_multiply`: wrong above 2**126, measured for
+  what the package's second factor costs);
+- `ours_static`: `loss_scale_optimizer(adam, dynamic=False,
+  initial_scale=2**15)`: no growth or backoff of the scale (what the
+  dynamic rule's scalar bookkeeping costs).
 
   python benchmarks/compile_time.py                 # a few minutes
   python benchmarks/compile_time.py --tiny          # seconds, smoke test
@@ -71,6 +79,7 @@ import optax_lossscale as ols
 from optax_lossscale import _finite, _unscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import alternatives
 import overhead
 
 COMPUTE = jnp.float16
@@ -173,6 +182,9 @@ CHECKS = {
 }
 
 
+FORMS = ("ours_one_multiply", "ours_static")
+
+
 @contextlib.contextmanager
 def _check_traced_as(check):
   """Traces the package's check of local leaves as `check(leaves)` while
@@ -202,6 +214,11 @@ def _make_post(name, inner):
         return step(params, state, grads)
 
     return init, checked
+  if name == "ours_one_multiply":
+    return alternatives._make_variant("one_multiply", inner)
+  if name == "ours_static":
+    static = ols.loss_scale_optimizer(inner, False, 2.0**15)
+    return static.init, _optax_step(static)
   if name == "unscale_and_check":
     chained = optax.chain(ols.unscale_and_check(), inner)
     return chained.init, _optax_step(chained)
@@ -528,7 +545,7 @@ def main(argv=None):
   p.add_argument(
     "--variants",
     nargs="+",
-    choices=VARIANTS + PIECES + tuple(CHECKS),
+    choices=VARIANTS + PIECES + tuple(CHECKS) + FORMS,
     default=list(VARIANTS),
   )
   p.add_argument(

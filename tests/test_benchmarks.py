@@ -69,12 +69,11 @@ def test_compile_time_tiny(capsys):
       profile = r["profile"]
       assert profile["wall"] > 0 and profile["kernels_compiled"] > 0
       assert profile["simplify_iterations"] >= 1
-  # The pieces and the other forms of the check trace and compile too.
-  pieces = module.main(
-    ["--tiny", "--kinds", "post", "--variants", *module.PIECES, *module.CHECKS]
-  )
+  # The pieces and the other forms of ours trace and compile too.
+  others = (*module.PIECES, *module.CHECKS, *module.FORMS)
+  pieces = module.main(["--tiny", "--kinds", "post", "--variants", *others])
   (rows,) = pieces[leaves].values()
-  assert set(rows) == {"plain", *module.PIECES, *module.CHECKS}
+  assert set(rows) == {"plain", *others}
 
 
 def test_train_step_tiny(capsys):
