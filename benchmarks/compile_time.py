@@ -5,11 +5,13 @@ leaves per layer: a weight matrix, a bias and a gain), float16 compute,
 float32 master weights, adam, jitted with params and optimizer state
 donated. For each number of layers, each variant is traced
 (`jax.jit(f).trace`), lowered (`.lower()`) and compiled (`.compile()`)
-afresh `--repeats` times, the variants interleaved; each phase reports the
-fastest of its repeats (wall clock), `total` the fastest sum and `cpu` the
-process CPU time of that fastest total. Ratios are to the plain step of the
-same run. `post` rows: the post-gradient step alone (gradients given: the
-steps of `overhead.py`), measured the same way.
+afresh `--repeats` times, the variants interleaved. `wall` is the fastest
+total (trace + lower + compile) in wall-clock seconds, `cpu` the fastest in
+process CPU seconds (XLA compiles kernels on two threads), and the phases
+are the fastest of each in CPU seconds: on cores shared with other jobs,
+CPU time moves less between repeats than wall time. Ratios are to the
+plain step of the same run. `post` rows: the post-gradient step alone
+(gradients given: the steps of `overhead.py`), measured the same way.
 
 Sizes, to relate compile time to what a variant adds: `eqns`, the jaxpr's
 equations (those of nested jaxprs included); `hlo`, the instructions of
@@ -302,18 +304,25 @@ def _whole_step(name, inner):
 
 
 def _phases(step, args):
-  """`(wall seconds by phase, cpu seconds, traced, lowered, compiled)` of
-  one fresh compilation (`jit` caches traces on the function object)."""
+  """`(wall seconds by phase, cpu seconds by phase, traced, lowered,
+  compiled)` of one fresh compilation (`jit` caches traces on the function
+  object: a new one each time)."""
   fn = jax.jit(lambda *a: step(*a), donate_argnums=(0, 1))
-  c0, t0 = time.process_time(), time.perf_counter()
+  clocks = [(time.perf_counter(), time.process_time())]
   traced = fn.trace(*args)
-  t1 = time.perf_counter()
+  clocks.append((time.perf_counter(), time.process_time()))
   lowered = traced.lower()
-  t2 = time.perf_counter()
+  clocks.append((time.perf_counter(), time.process_time()))
   compiled = lowered.compile()
-  t3, c3 = time.perf_counter(), time.process_time()
-  wall = {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2}
-  return wall, c3 - c0, traced, lowered, compiled
+  clocks.append((time.perf_counter(), time.process_time()))
+  wall, cpu = (
+    {
+      phase: clocks[i + 1][k] - clocks[i][k]
+      for i, phase in enumerate(("trace", "lower", "compile"))
+    }
+    for k in (0, 1)
+  )
+  return wall, cpu, traced, lowered, compiled
 
 
 def _count_eqns(jaxpr):
@@ -441,12 +450,14 @@ def measure(builds, args_of, repeats, passes=False):
       del traced, lowered, compiled
   for name, r in results.items():
     for phase in ("trace", "lower", "compile"):
-      r[phase] = min(wall[phase] for wall, _ in times[name])
-    totals = [(sum(wall.values()), cpu) for wall, cpu in times[name]]
-    r["total"], r["cpu"] = min(totals)
-    r["totals"] = [t for t, _ in totals]
-    # (slowest - fastest) / fastest of the totals: the noise of the run.
-    r["spread"] = (max(r["totals"]) - r["total"]) / r["total"]
+      r[phase] = min(cpu[phase] for _, cpu in times[name])
+      r[f"{phase}_wall"] = min(wall[phase] for wall, _ in times[name])
+    for key, clock in (("total", 0), ("cpu", 1)):
+      totals = [sum(t[clock].values()) for t in times[name]]
+      r[key] = min(totals)
+      r[f"{key}_all"] = totals
+      # (slowest - fastest) / fastest: the noise of the run.
+      r[f"{key}_spread"] = (max(totals) - min(totals)) / min(totals)
   if passes:
     for name in builds:
       fn = jax.jit(lambda *a, step=steps[name]: step(*a), donate_argnums=(0, 1))
@@ -464,10 +475,11 @@ def _report(kind, leaves, results, out, ops):
     r["ratios"] = ratio
     out(
       f"{kind:<5} {leaves:>6} {name:<23} {r['total']:6.2f}"
-      f" {ratio['total']:5.2f} {ratio['cpu']:5.2f} {r['spread']:6.0%}"
-      f" {r['trace']:5.2f} {r['lower']:5.2f} {r['compile']:6.2f}"
-      f" {ratio['compile']:5.2f} {r['eqns']:6d} {ratio['eqns']:5.2f}"
-      f" {r['hlo']:6d} {ratio['hlo']:5.2f} {r['opt']:6d} {ratio['opt']:5.2f}"
+      f" {ratio['total']:5.2f} {r['total_spread']:5.0%} {r['cpu']:6.2f}"
+      f" {ratio['cpu']:5.2f} {r['cpu_spread']:5.0%} {r['trace']:5.2f}"
+      f" {r['lower']:5.2f} {r['compile']:6.2f} {ratio['compile']:5.2f}"
+      f" {r['eqns']:6d} {ratio['eqns']:5.2f} {r['hlo']:6d}"
+      f" {ratio['hlo']:5.2f} {r['opt']:6d} {ratio['opt']:5.2f}"
       f" {r['kernels']:5d} {r['temp_bytes'] / 1e6:6.1f}",
       flush=True,
     )
@@ -583,16 +595,19 @@ def main(argv=None):
     " compilations"
   )
   print(
-    "seconds (wall) and ratios to plain; cpu: process CPU time ratio;"
-    " spread: (slowest - fastest) / fastest total; eqns: jaxpr equations;"
-    " hlo: lowered HLO instructions; opt: compiled HLO instructions; kern:"
-    " compiled entry instructions; temp: memory_analysis() temp MB"
+    "wall: seconds of trace + lower + compile, ratio to plain, spread"
+    " ((slowest - fastest) / fastest); cpu: the same in process CPU time,"
+    " and trace, lower, compile in CPU seconds (fastest each), compile's"
+    " ratio; eqns: jaxpr equations; hlo: lowered HLO instructions; opt:"
+    " compiled HLO instructions; kern: compiled entry instructions; temp:"
+    " memory_analysis() temp MB"
   )
   print(
-    f"{'step':<5} {'leaves':>6} {'variant':<23} {'total':>6} {'ratio':>5}"
-    f" {'cpu':>5} {'spread':>6} {'trace':>5} {'lower':>5} {'compile':>6}"
-    f" {'ratio':>5} {'eqns':>6} {'ratio':>5} {'hlo':>6} {'ratio':>5}"
-    f" {'opt':>6} {'ratio':>5} {'kern':>5} {'temp':>6}"
+    f"{'step':<5} {'leaves':>6} {'variant':<23} {'wall':>6} {'ratio':>5}"
+    f" {'sprd':>5} {'cpu':>6} {'ratio':>5} {'sprd':>5} {'trace':>5}"
+    f" {'lower':>5} {'compile':>6} {'ratio':>5} {'eqns':>6} {'ratio':>5}"
+    f" {'hlo':>6} {'ratio':>5} {'opt':>6} {'ratio':>5} {'kern':>5}"
+    f" {'temp':>6}"
   )
   return {
     n: run(

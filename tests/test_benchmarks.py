@@ -64,6 +64,9 @@ def test_compile_time_tiny(capsys):
     for r in rows.values():
       for key in ("trace", "lower", "compile", "total", "cpu"):
         assert r[key] > 0, (kind, key)
+      for phase in ("trace", "lower", "compile"):
+        assert r[f"{phase}_wall"] > 0, (kind, phase)
+      assert r["total_spread"] >= 0 and r["cpu_spread"] >= 0
       assert r["eqns"] > 0 and r["hlo"] > 0 and r["opt"] > 0
       assert r["kernels"] > 0 and r["temp_bytes"] >= 0
       profile = r["profile"]
