@@ -103,9 +103,9 @@ def _adam():
 
 
 def _exponent_flags(leaves):
-  """`lax.ne(exponent field, all ones)` per leaf: True where finite."""
-  mask = _finite._EXPONENT_MASKS[leaves[0].dtype]
-  return [lax.ne(_finite._exponent(x, mask), mask) for x in leaves]
+  """`magnitude < inf`, read as integers, per leaf: True where finite."""
+  magnitude, inf = _finite._MASKS[leaves[0].dtype]
+  return [lax.lt(_finite._magnitude_bits(x, magnitude), inf) for x in leaves]
 
 
 def _all_of(finite):
@@ -121,7 +121,14 @@ def _all_of(finite):
 
 def _check_per_leaf(leaves):
   """One reduction per leaf (the package's one-pass reduction)."""
-  return jnp.all(jnp.stack([_finite._one_pass([x]) for x in leaves]))
+  return jnp.all(jnp.stack([_one_pass([x]) for x in leaves]))
+
+
+def _one_pass(group):
+  """The package's one-pass reduction of a group, as one flag (both of its
+  answers used, so that XLA keeps the reduction whole)."""
+  finite, nan = _finite._one_pass(group)
+  return finite & ~nan
 
 
 def _check_max_tree(leaves):
@@ -129,16 +136,16 @@ def _check_max_tree(leaves):
   balanced tree of maxima instead of a chain."""
 
   def one_pass(group):
-    if group[0].dtype not in _finite._EXPONENT_MASKS:
-      return _finite._one_pass(group)
-    mask = _finite._EXPONENT_MASKS[group[0].dtype]
-    exponents = [_finite._exponent(x, mask) for x in group]
+    if group[0].dtype not in _finite._MASKS:
+      return _one_pass(group)
+    magnitude, inf = _finite._MASKS[group[0].dtype]
+    exponents = [_finite._magnitude_bits(x, magnitude) for x in group]
     while len(exponents) > 1:
       pairs = zip(exponents[::2], exponents[1::2], strict=False)
       exponents = [lax.max(a, b) for a, b in pairs] + (
         exponents[-1:] if len(exponents) % 2 else []
       )
-    return _all_of(lax.ne(exponents[0], mask))
+    return _all_of(lax.lt(exponents[0], inf))
 
   return _grouped(leaves, one_pass)
 
@@ -148,8 +155,8 @@ def _check_variadic(leaves):
   the group's leaves (their finiteness predicates)."""
 
   def one_pass(group):
-    if group[0].dtype not in _finite._EXPONENT_MASKS or len(group) == 1:
-      return _finite._one_pass(group)
+    if group[0].dtype not in _finite._MASKS or len(group) == 1:
+      return _one_pass(group)
     flags = _exponent_flags(group)
     reduced = lax.reduce(
       tuple(flags),
@@ -160,6 +167,11 @@ def _check_variadic(leaves):
     return jnp.all(jnp.stack(reduced))
 
   return _grouped(leaves, one_pass)
+
+
+def _all_of_flags(flags):
+  finite, nan = flags
+  return finite & ~nan
 
 
 def _grouped(leaves, one_pass):
@@ -177,7 +189,9 @@ def _grouped(leaves, one_pass):
 CHECKS = {
   # The package's form elsewhere than on CPU: groups of up to 64 leaves
   # concatenated, one `all(isfinite)` each.
-  "ours_check_concatenated": lambda leaves: _finite._concatenated(*leaves),
+  "ours_check_concatenated": lambda leaves: _all_of_flags(
+    _finite._concatenated(*leaves)
+  ),
   "ours_check_per_leaf": _check_per_leaf,
   "ours_check_max_tree": _check_max_tree,
   "ours_check_variadic": _check_variadic,
@@ -190,14 +204,18 @@ FORMS = ("ours_one_multiply", "ours_static")
 @contextlib.contextmanager
 def _check_traced_as(check):
   """Traces the package's check of local leaves as `check(leaves)` while
-  inside (replacing `_finite._all_finite_here`, whose platform-dependent
+  inside (replacing `_finite._check_here`, whose platform-dependent
   branches jax caches by function: the package's own stay as they are)."""
-  original = _finite._all_finite_here
-  _finite._all_finite_here = lambda *leaves: check(list(leaves))
+  original = _finite._check_here
+
+  def checked_here(leaves, per_leaf):
+    return _finite.Verdict(check(list(leaves)), jnp.zeros([], bool), None)
+
+  _finite._check_here = checked_here
   try:
     yield
   finally:
-    _finite._all_finite_here = original
+    _finite._check_here = original
 
 
 # --- the post-gradient steps -----------------------------------------------
