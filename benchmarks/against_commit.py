@@ -18,7 +18,6 @@ import tarfile
 import tempfile
 
 import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import overhead
@@ -57,14 +56,9 @@ def import_at(rev: str, into: pathlib.Path):
 
 
 def variants(earlier):
+  optax_step = overhead.optax_step
+
   def make(name, inner):
-    def optax_step(tx):
-      def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-      return tx.init, step
-
     if name == "plain":
       return optax_step(inner)
     if name == "at_commit":

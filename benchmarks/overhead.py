@@ -123,16 +123,18 @@ def select_after(tx):
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
+def optax_step(tx):
+  """`(init, step(params, state, grads))` of an optax transformation."""
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
 def _make_variant(name: str, inner):
   """Returns (init(params) -> state, step(params, state, grads))."""
-
-  def optax_step(tx):
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
-
   if name == "plain":
     return optax_step(inner)
   if name == "ours":
