@@ -12,6 +12,8 @@ import io
 import itertools
 import math
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -53,9 +55,9 @@ def test_overhead_tiny(capsys):
 
 def test_compile_time_tiny(capsys):
   module = _load("compile_time")
-  results = module.main(["--tiny", "--passes"])
+  results = module.main(["--tiny"])
   out = capsys.readouterr().out
-  assert "device:" in out and "profiled compile" in out
+  assert "device:" in out
   ((leaves, found),) = results.items()
   assert set(found) == {"whole", "post"}
   for kind, rows in found.items():
@@ -69,9 +71,6 @@ def test_compile_time_tiny(capsys):
       assert r["total_spread"] >= 0 and r["cpu_spread"] >= 0
       assert r["eqns"] > 0 and r["hlo"] > 0 and r["opt"] > 0
       assert r["kernels"] > 0 and r["temp_bytes"] >= 0
-      profile = r["profile"]
-      assert profile["wall"] > 0 and profile["kernels_compiled"] > 0
-      assert profile["simplify_iterations"] >= 1
   # The pieces and the other forms of ours trace and compile too.
   others = (*module.PIECES, *module.CHECKS, *module.FORMS)
   pieces = module.main(["--tiny", "--kinds", "post", "--variants", *others])
@@ -274,3 +273,21 @@ def test_against_commit_tiny(capsys):
   }
   assert all(r["median_s"] > 0 for r in rows)
   assert "at_commit" in capsys.readouterr().out
+
+
+def test_compile_time_passes_tiny():
+  """`--passes` profiles each compilation, in a process of its own: with
+  jax 0.12 a profiler session after another one in the same process (the
+  device-time benchmark's) aborted the process."""
+  done = subprocess.run(
+    [sys.executable, str(BENCH / "compile_time.py"), "--tiny", "--passes"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  profiled = [line for line in done.stdout.splitlines() if "profiled" in line]
+  assert len(profiled) >= 4  # each variant, each kind
+  assert all("kernels compiled" in line for line in profiled)
+  assert all("simplification" in line for line in profiled)
