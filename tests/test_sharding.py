@@ -86,7 +86,17 @@ def collectives(compiled):
 
 
 def shardings(tree):
-  return [x.sharding.spec for x in jax.tree.leaves(tree)]
+  """Each leaf's partition spec, without trailing `None`s: older jax writes
+  an output's spec `P("data")` where its input said `P("data", None)`, and
+  the two mean the same."""
+  return [unpadded(x.sharding.spec) for x in jax.tree.leaves(tree)]
+
+
+def unpadded(spec):
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def run_case(layout, axis_type, inner_name, grads_scale=2.0**10, donate=False):
@@ -352,8 +362,10 @@ def test_a_mixed_explicit_and_auto_mesh_keeps_each_leafs_sharding():
     assert jax.typeof(params["w1"]) == jax.typeof(params["w2"])
     plain_tx = optax.adam(1e-2)
     ours_tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=2.0**10)
-    plain_params, plain_state = jit_step(plain_tx, donate=False)(
-      params, plain_tx.init(params), jax.tree.map(lambda g: g / 2.0**10, grads)
+    plain_grads = jax.tree.map(lambda g: g / 2.0**10, grads)
+    plain_step = jit_step(plain_tx, donate=False)
+    plain_params, plain_state = plain_step(
+      params, plain_tx.init(params), plain_grads
     )
     step = jit_step(ours_tx, donate=False)
     ours_params, ours_state = step(params, ours_tx.init(params), grads)
@@ -361,5 +373,10 @@ def test_a_mixed_explicit_and_auto_mesh_keeps_each_leafs_sharding():
     assert shardings(ours_params) == shardings(params)
     assert shardings(ours_state.inner_state) == shardings(plain_state)
     chex.assert_trees_all_close(ours_params, plain_params, rtol=1e-6)
+    # Its outputs are typed as plain optax's are, so a second step compiles
+    # no more often than plain's does. (Newer jax compiles each once; older
+    # jax writes an output's spec `P("data")` where the input said
+    # `P("data", None)`, and compiles both twice.)
+    plain_step(plain_params, plain_state, plain_grads)
     step(ours_params, ours_state, grads)
-    assert step._cache_size() == 1  # its outputs are its inputs' types
+    assert step._cache_size() == plain_step._cache_size()
