@@ -243,8 +243,15 @@ def _scale_for(
   # Above 2**126 the reciprocal of the scale is subnormal and XLA flushes
   # it to zero, so such a scale is quartered on both sides first; `g / 4`
   # only rounds where g is subnormal, and then the quotient underflows.
-  quarter = jnp.where(scale > 2.0**126, 0.25, 1.0).astype(compute_dtype)
-  reciprocal = lax.div(jnp.ones([], compute_dtype), lax.mul(scale, quarter))
+  # The quarter is a quotient too (1/4 or 1/1, both exact): XLA copies a
+  # cheap scalar computation (the compare and select of a `where`) into
+  # every fusion that reads it, one per gradient consumer, and each copy
+  # is compiled; a quotient it computes once (benchmarks/README.md).
+  one = jnp.ones([], compute_dtype)
+  quarter = lax.div(
+    one, jnp.where(scale > 2.0**126, 4.0, 1.0).astype(compute_dtype)
+  )
+  reciprocal = lax.div(one, lax.mul(scale, quarter))
   return compute_dtype, quarter, reciprocal
 
 

@@ -157,6 +157,32 @@ def test_unscale_is_the_correctly_rounded_quotient():
     assert ulps.max() <= allowed, (exponent, ulps.max())
 
 
+def test_the_unscale_factors_are_made_once_not_per_consumer():
+  """Each unscaled gradient is read by two fusions (adam's two moments);
+  XLA copies a cheap scalar computation into every fusion that reads it,
+  and compiles each copy, so the factors are quotients, which it makes
+  once: the compiled step's compares and selects grow only by the skip's
+  and the check's own per leaf."""
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+
+  def compare_and_select(leaves):
+    params = [jnp.ones((64, 64), jnp.float32) for _ in range(leaves)]
+    grads = [jnp.ones((64, 64), jnp.float16) for _ in range(leaves)]
+    compiled = jit_step(tx).lower(params, tx.init(params), grads).compile()
+    opcodes = _hlo.hlo_opcodes(compiled)
+    return opcodes["compare"], opcodes["select"]
+
+  (compares_4, selects_4), (compares_12, selects_12) = map(
+    compare_and_select, (4, 12)
+  )
+  # Per leaf: the skip's selects of adam's two moments and of the update,
+  # where each is made, and the zeroed gradient in each of its two
+  # readers; the check's two predicates (finite, NaN). Nothing of the
+  # scale (a `where` for the quarter had added two of each).
+  assert selects_12 - selects_4 <= 8 * 5
+  assert compares_12 - compares_4 <= 8 * 2
+
+
 def test_typed_prng_keys_in_the_inner_state():
   """optax.noisy_sgd keeps a typed key in its state; eager and jitted
   updates both keep it (no `astype` on an extended dtype)."""
