@@ -46,7 +46,8 @@ Pieces of `ours`, each alone on the plain step (`--variants`), to bisect:
 Other forms of parts of `ours` (`--variants`):
 
 - `ours_check_*`: the check traced in another form in place of the
-  package's CPU check (see `CHECKS`);
+  package's CPU check (see `CHECKS`; `ours_check_none` reads no
+  gradient: the floor of everything else in `ours`);
 - `ours_one_multiply`: the unscale as one product by `1 / scale`
   (`alternatives.py`'s `one_multiply`: wrong above 2**126, measured for
   what the package's second factor costs);
@@ -194,6 +195,9 @@ CHECKS = {
   "ours_check_per_leaf": _check_per_leaf,
   "ours_check_max_tree": _check_max_tree,
   "ours_check_max_chain": _check_max_chain,
+  # A check that reads no gradient (always finite, and the scale is still
+  # checked): what the rest of `ours` costs to compile.
+  "ours_check_none": lambda leaves: jnp.ones([], bool),
 }
 
 
