@@ -6,7 +6,6 @@ trees, replicas or leaves combine by `max`, so that one reduction across
 devices carries them all.
 """
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -324,34 +323,43 @@ def _one_pass(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
     (leaf,) = leaves
     return _flags_of_unmasked(leaf)
   magnitude, inf = masks
-  # Each element's magnitude read as an integer: no conversion of float16
-  # (which slowed an `x * 0` sum on float16 leaves), and no float compare
-  # (XLA's vectorized float max on CPU drops NaNs in large arrays).
-  bits = [_magnitude_bits(x, magnitude) for x in leaves]
-  # One reduction whose operands are two booleans per leaf (is every
-  # element finite, is any NaN): one pass over the group, each predicate
-  # fused in, no temporary. XLA on CPU splits a one-operand reduction into
-  # a tree of reduce-windows and materializes its input in front of it,
+  # The largest magnitude over the leaves, element by element, read as
+  # integers: no conversion of float16 (which slowed an `x * 0` sum on
+  # float16 leaves), and no float max (XLA's vectorized float max on CPU
+  # drops NaNs in large arrays).
+  largest = _balanced_max([_magnitude_bits(x, magnitude) for x in leaves])
+  # A reduction of two operands at once, both booleans: is every element
+  # finite, is any NaN. XLA on CPU splits a one-operand reduction into a
+  # tree of reduce-windows and materializes its input in front of it,
   # through a transposing copy when the gradient is a transposed matmul
   # output (and it did the same to a variadic max of the integers); it
-  # leaves a reduction of two or more operands whole. The leaves are not
-  # combined element by element first (a chain of maxima): XLA's simplifier
-  # moves the transposes of matmul gradients through such a chain one link
-  # per iteration of its fixed point, and a training step's simplification
-  # then ran to its limit of 25 iterations, twice, which doubled its compile
-  # time (benchmarks/README.md).
-  operands = [lax.lt(b, inf) for b in bits] + [lax.gt(b, inf) for b in bits]
-  inits = [np.bool_(True)] * len(bits) + [np.bool_(False)] * len(bits)
-  reduced = lax.reduce(
-    tuple(operands),
-    tuple(inits),
-    functools.partial(_and_or, count=len(bits)),
-    tuple(range(bits[0].ndim)),
+  # leaves this reduction whole, with its input fused in: one pass over the
+  # leaves, no temporary.
+  finite, any_nan = lax.reduce(
+    (lax.lt(largest, inf), lax.gt(largest, inf)),
+    (np.bool_(True), np.bool_(False)),
+    _and_or,
+    tuple(range(largest.ndim)),
   )
-  finites, nans = reduced[: len(bits)], reduced[len(bits) :]
-  return functools.reduce(lax.bitwise_and, finites), functools.reduce(
-    lax.bitwise_or, nans
-  )
+  return finite, any_nan
+
+
+def _balanced_max(values: list[jax.Array]) -> jax.Array:
+  """The element-wise max of `values`, as a balanced tree of maxima.
+
+  Not a chain: XLA's simplifier moves the transposes of matmul gradients
+  through the maxima one level per iteration of its fixed point, so a chain
+  over a group of 48 weight gradients ran it to its limit (25 iterations
+  over the whole training step, twice: a third of the step's compile
+  time); a tree's depth is the logarithm of the group's size
+  (benchmarks/README.md).
+  """
+  while len(values) > 1:
+    # An odd one out waits for the next level.
+    pairs = zip(values[::2], values[1::2], strict=False)
+    paired = [lax.max(a, b) for a, b in pairs]
+    values = paired + values[len(paired) * 2 :]
+  return values[0]
 
 
 def _magnitude_bits(x: jax.Array, mask: np.unsignedinteger) -> jax.Array:
@@ -365,14 +373,9 @@ def _flags_of_unmasked(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _and_or(
-  a: Sequence[jax.Array], b: Sequence[jax.Array], count: int
-) -> tuple[jax.Array, ...]:
-  """The reducer of `_one_pass`: `and` over its first `count` operands (is
-  every element finite), `or` over the rest (is any NaN)."""
-  return tuple(
-    x & y if i < count else x | y
-    for i, (x, y) in enumerate(zip(a, b, strict=True))
-  )
+  a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  return a[0] & b[0], a[1] | b[1]
 
 
 # Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU
