@@ -83,7 +83,7 @@ from jax import lax
 from jax.profiler import ProfileData
 
 import optax_lossscale as ols
-from optax_lossscale import _finite, _skip, _unscale
+from optax_lossscale import _finite, _unscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import alternatives
@@ -216,11 +216,10 @@ CHECKS = {
 FORMS = ("ours_one_multiply", "ours_static", "ours_cond")
 
 
-def _skipped_by_cond(finite, update, old_state, *, rewrite=True):
+def _skipped_by_cond(finite, update, old_state):
   """The package's skip as a `lax.cond`: the inner update in one branch,
   zero updates and the old state in the other (not the package's design:
   measured for what a skip without selects would cost to compile)."""
-  del rewrite
 
   def keep(state):
     updates, _ = jax.eval_shape(update, state)
@@ -228,17 +227,6 @@ def _skipped_by_cond(finite, update, old_state, *, rewrite=True):
     return zeros, state
 
   return lax.cond(finite, update, keep, old_state)
-
-
-@contextlib.contextmanager
-def _skip_traced_as(update_unless):
-  """Traces the package's skip as `update_unless` while inside."""
-  original = _skip.update_unless
-  _skip.update_unless = update_unless
-  try:
-    yield
-  finally:
-    _skip.update_unless = original
 
 
 @contextlib.contextmanager
@@ -280,13 +268,8 @@ def _make_post(name, inner):
     static = ols.loss_scale_optimizer(inner, False, 2.0**15)
     return static.init, _optax_step(static)
   if name == "ours_cond":
-    init, step = overhead._make_variant("ours", inner)
-
-    def by_cond(params, state, grads):
-      with _skip_traced_as(_skipped_by_cond):
-        return step(params, state, grads)
-
-    return init, by_cond
+    by_cond = overhead.skip_traced_as(tx, _skipped_by_cond)
+    return by_cond.init, _optax_step(by_cond)
   if name == "unscale_and_check":
     chained = optax.chain(ols.unscale_and_check(), inner)
     return chained.init, _optax_step(chained)

@@ -37,7 +37,7 @@ import optax_lossscale as ols
 from optax_lossscale import _rule
 
 # The package's private skip, named here only: a rename of its module is a
-# change of this line (see `update_unless` and `select_after`).
+# change of this line (see `update_unless` and `skip_traced_as`).
 from optax_lossscale import _skip as _skip_module
 
 _PACKAGE_UPDATE_UNLESS = _skip_module.update_unless
@@ -89,25 +89,25 @@ def update_unless(finite, update, old_state, *, rewrite):
   return _PACKAGE_UPDATE_UNLESS(finite, update, old_state, rewrite=rewrite)
 
 
-def select_after(tx):
-  """`tx` (made by `loss_scale_optimizer`) with its skip traced as a plain
-  select after the inner update (`update_unless(..., rewrite=False)`).
+def skip_traced_as(tx, skip):
+  """`tx` (made by `loss_scale_optimizer`) with its skip traced as
+  `skip(finite, update, old_state) -> (updates, new_state)`.
 
   While the returned `update` traces, the package's `update_unless` is
-  replaced by this module's with `rewrite=False`; a compiled step keeps
-  what it was traced with. Raises if the package's update did not call it
-  (the package was reorganized: update `update_unless` above).
+  replaced by `skip`; a compiled step keeps what it was traced with.
+  Raises if the package's update did not call it (the package was
+  reorganized: update `update_unless` above).
   """
 
   def update(updates, state, params=None, **extra_args):
     called = []
 
-    def without_rewrite(finite, inner_update, old_state, **kwargs):
+    def replaced(finite, inner_update, old_state, **kwargs):
       del kwargs
       called.append(True)
-      return update_unless(finite, inner_update, old_state, rewrite=False)
+      return skip(finite, inner_update, old_state)
 
-    _skip_module.update_unless = without_rewrite
+    _skip_module.update_unless = replaced
     try:
       out = tx.update(updates, state, params, **extra_args)
     finally:
@@ -121,6 +121,17 @@ def select_after(tx):
     return out
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def select_after(tx):
+  """`tx` with its skip traced as a plain select after the inner update
+  (`update_unless(..., rewrite=False)`; see `skip_traced_as`)."""
+  return skip_traced_as(
+    tx,
+    lambda finite, update, old_state: update_unless(
+      finite, update, old_state, rewrite=False
+    ),
+  )
 
 
 def optax_step(tx):
