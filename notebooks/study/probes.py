@@ -7,6 +7,7 @@ and to the logits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +30,25 @@ def _magnitudes(tree: Any) -> np.ndarray:
   return np.abs(np.asarray(_flat(tree), np.float32))
 
 
+def _float32_loss(spec: RunSpec, depth: int) -> Callable[..., jax.Array]:
+  """The loss of the run's float32 reference (same model, float32 compute)."""
+  return runs.loss(runs.float32_reference(spec), depth)
+
+
+def _activation_gradients(
+  loss: Callable[..., jax.Array],
+  params: model.Params,
+  x: jax.Array,
+  y: jax.Array,
+  taps: Any,
+  scale: Any = None,
+) -> Any:
+  """The gradients of `loss` (times `scale`, when given, as the run's
+  backward pass holds them) with respect to the activation taps."""
+  scaled = loss if scale is None else (lambda *a: loss(*a) * scale)
+  return jax.grad(scaled, argnums=3)(params, x, y, taps)
+
+
 def flush_stats(
   spec: RunSpec,
   params: model.Params,
@@ -44,7 +64,7 @@ def flush_stats(
   scale) below 2**-24 and 2**-14. The float16 shares are NaN for a float32
   run."""
   s = runs.scale(spec, opt_state)
-  f32 = runs.loss(runs.float32_reference(spec), depth)
+  f32 = _float32_loss(spec, depth)
   g32 = _flat(jax.grad(f32)(params, x, y))
   nz = g32 != 0
   out = {
@@ -54,7 +74,7 @@ def flush_stats(
     ),
   }
   taps = model.zero_taps(params, x, depth)
-  a32 = _flat(jax.grad(f32, argnums=3)(params, x, y, taps))
+  a32 = _flat(_activation_gradients(f32, params, x, y, taps))
   anz = a32 != 0
   out["act_below_normal"] = (
     jnp.sum(anz & (jnp.abs(a32) * s < F16_NORMAL_MIN)) / anz.sum()
@@ -68,7 +88,7 @@ def flush_stats(
   out["flushed"] = jnp.sum(nz & (g16 == 0)) / nz.sum()
   out["nonfinite"] = jnp.mean(~jnp.isfinite(g16))
   f16 = runs.loss(spec, depth)
-  a16 = _flat(jax.grad(lambda *a: f16(*a) * s, argnums=3)(params, x, y, taps))
+  a16 = _flat(_activation_gradients(f16, params, x, y, taps, s))
   out["act_flushed"] = jnp.sum(anz & (a16 == 0)) / anz.sum()
   out["act_nonfinite"] = jnp.mean(~jnp.isfinite(a16))
   return out
@@ -86,7 +106,7 @@ def gradient_magnitudes(
   update would receive, and the float32 reference times the run's scale:
   the two histograms that show where float16's range cuts."""
   s = runs.scale(spec, opt_state)
-  g32 = jax.grad(runs.loss(runs.float32_reference(spec), depth))(params, x, y)
+  g32 = jax.grad(_float32_loss(spec, depth))(params, x, y)
   _, g = runs.value_and_grad(spec, params, opt_state, x, y, depth)
   return _magnitudes(g), _magnitudes(g32) * float(s)
 
@@ -104,8 +124,6 @@ def activation_gradient_magnitudes(
   scale), and the float32 reference times the same scale."""
   s = float(runs.scale(spec, opt_state))
   taps = model.zero_taps(params, x, depth)
-  f32 = runs.loss(runs.float32_reference(spec), depth)
-  g32 = jax.grad(f32, argnums=3)(params, x, y, taps)
-  f = runs.loss(spec, depth)
-  g = jax.grad(lambda *a: f(*a) * s, argnums=3)(params, x, y, taps)
+  g32 = _activation_gradients(_float32_loss(spec, depth), params, x, y, taps)
+  g = _activation_gradients(runs.loss(spec, depth), params, x, y, taps, s)
   return _magnitudes(g), _magnitudes(g32) * s
