@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _donation, _unscale
+from optax_lossscale._core import donation as _donation
+from optax_lossscale._core import step as _unscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead

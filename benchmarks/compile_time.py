@@ -83,7 +83,8 @@ from jax import lax
 from jax.profiler import ProfileData
 
 import optax_lossscale as ols
-from optax_lossscale import _finite, _unscale
+from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import step as _unscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import alternatives

@@ -34,11 +34,11 @@ import optax
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 import optax_lossscale as ols
-from optax_lossscale import _rule
+from optax_lossscale._core import rule as _rule
 
 # The package's private skip, named here only: a rename of its module is a
 # change of this line (see `update_unless` and `skip_traced_as`).
-from optax_lossscale import _skip as _skip_module
+from optax_lossscale._core import skip as _skip_module
 
 _PACKAGE_UPDATE_UNLESS = _skip_module.update_unless
 
@@ -115,7 +115,7 @@ def skip_traced_as(tx, skip):
     if not called:
       raise RuntimeError(
         "loss_scale_optimizer's update no longer calls"
-        " optax_lossscale._skip.update_unless; update the import of"
+        " optax_lossscale._core.skip.update_unless; update the import of"
         " `_skip_module` in benchmarks/overhead.py"
       )
     return out

@@ -88,7 +88,7 @@ html_static_path: list[str] = []
 
 # Public names for private paths. Annotations are evaluated objects, and
 # Sphinx and napoleon write them under the module that defines them:
-# `jax.jaxlib._jax.Array`, `optax_lossscale._state.LossScaleState`,
+# `jax.jaxlib._jax.Array`, `optax_lossscale._core.state.LossScaleState`,
 # `optax._src.base.GradientTransformation`. A dotted name with a private
 # part is written as its package's public name for the same object.
 _PRIVATE_PATH = re.compile(

@@ -4,30 +4,32 @@ The public API is what this module exports; everything under a leading
 underscore is private and may change.
 """
 
-from optax_lossscale._finite import all_finite as all_finite
-from optax_lossscale._grad import value_and_grad as value_and_grad
-from optax_lossscale._keras import from_keras_config as from_keras_config
-from optax_lossscale._keras import to_keras_config as to_keras_config
-from optax_lossscale._optimizer import (
+from optax_lossscale._access.grad import value_and_grad as value_and_grad
+from optax_lossscale._access.readouts import dynamic_counter as dynamic_counter
+from optax_lossscale._access.readouts import loss_scale as loss_scale
+from optax_lossscale._access.readouts import (
+  nonfinite_leaves as nonfinite_leaves,
+)
+from optax_lossscale._access.readouts import skip_stats as skip_stats
+from optax_lossscale._access.scale import scale_loss as scale_loss
+from optax_lossscale._access.setter import set_loss_scale as set_loss_scale
+from optax_lossscale._core.finite import all_finite as all_finite
+from optax_lossscale._core.keras import from_keras_config as from_keras_config
+from optax_lossscale._core.keras import to_keras_config as to_keras_config
+from optax_lossscale._core.optimizer import (
   LossScaledTransformation as LossScaledTransformation,
 )
-from optax_lossscale._optimizer import (
+from optax_lossscale._core.optimizer import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
-from optax_lossscale._overflow import find_overflow as find_overflow
-from optax_lossscale._readouts import dynamic_counter as dynamic_counter
-from optax_lossscale._readouts import loss_scale as loss_scale
-from optax_lossscale._readouts import nonfinite_leaves as nonfinite_leaves
-from optax_lossscale._readouts import skip_stats as skip_stats
-from optax_lossscale._report import skip_report as skip_report
-from optax_lossscale._scale import scale_loss as scale_loss
-from optax_lossscale._setter import set_loss_scale as set_loss_scale
-from optax_lossscale._state import (
+from optax_lossscale._core.state import (
   LossScaleOptimizerState as LossScaleOptimizerState,
 )
-from optax_lossscale._state import LossScaleState as LossScaleState
-from optax_lossscale._state import SkipStats as SkipStats
-from optax_lossscale._unscale import unscale_and_check as unscale_and_check
+from optax_lossscale._core.state import LossScaleState as LossScaleState
+from optax_lossscale._core.state import SkipStats as SkipStats
+from optax_lossscale._core.step import unscale_and_check as unscale_and_check
+from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
+from optax_lossscale._diagnostics.report import skip_report as skip_report
 
 # The public types say where users import them from (in `help()`, reprs and
 # the API page), not the private module that defines them.

@@ -11,7 +11,9 @@ import numpy as np
 import optax
 
 import optax_lossscale as ols
-from optax_lossscale import _finite, _interpret, _skip
+from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import interpret as _interpret
+from optax_lossscale._core import skip as _skip
 
 # Parameters and gradients of two leaves of different shapes.
 PARAMS = {

@@ -48,7 +48,7 @@ def test_state_dtypes_are_fixed():
   state = ols.loss_scale_optimizer(optax.sgd(0.1)).init(PARAMS)
   s = state.loss_scale_state
   assert s.loss_scale.dtype == jnp.float32 and s.loss_scale.shape == ()
-  for counter in (s.counter, s.notfinite_count, s.total_notfinite):
+  for counter in (s.counter, s.skipped_in_a_row, s.total_skipped):
     assert counter.dtype == jnp.int32 and counter.shape == ()
   assert s.last_finite.dtype == jnp.bool_
 

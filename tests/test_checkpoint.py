@@ -106,8 +106,8 @@ def test_flax_state_dict_named_fields(step):
   assert set(d["loss_scale_state"]) == {
     "loss_scale",
     "counter",
-    "notfinite_count",
-    "total_notfinite",
+    "skipped_in_a_row",
+    "total_skipped",
     "last_finite",
     "overflows_in_a_row",
     "nan_steps",

@@ -275,8 +275,8 @@ def test_the_counters_saturate():
   state = tx.init(PARAMS)
   full = jnp.asarray(INT32_MAX, jnp.int32)
   ls = state.loss_scale_state._replace(
-    total_notfinite=full,
-    notfinite_count=full,
+    total_skipped=full,
+    skipped_in_a_row=full,
     overflows_in_a_row=full,
     nan_steps=full,
     nonfinite_loss_steps=full,
@@ -287,8 +287,8 @@ def test_the_counters_saturate():
   _, state = step(PARAMS, state, grads_with(1, np.nan), jnp.float32(np.nan))
   got = state.loss_scale_state
   for value in (
-    got.total_notfinite,
-    got.notfinite_count,
+    got.total_skipped,
+    got.skipped_in_a_row,
     got.overflows_in_a_row,
     got.nan_steps,
     got.nonfinite_loss_steps,

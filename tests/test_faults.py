@@ -227,8 +227,8 @@ def compiled_run(config_name):
       counter=(
         lss.counter if lss.counter is not None else jnp.zeros([], jnp.int32)
       ),
-      in_a_row=lss.notfinite_count,
-      total=lss.total_notfinite,
+      in_a_row=lss.skipped_in_a_row,
+      total=lss.total_skipped,
       last_finite=lss.last_finite,
       params_finite=_tree_finite(new_params),
       inner_finite=_tree_finite(new_opt_state.inner_state),
@@ -401,7 +401,7 @@ def test_saturating_counters_do_not_wrap():
   near = jnp.int32(INT32_MAX - 2)
   state = state._replace(
     loss_scale_state=state.loss_scale_state._replace(
-      notfinite_count=near, total_notfinite=near
+      skipped_in_a_row=near, total_skipped=near
     )
   )
   model = _model.ModelState(

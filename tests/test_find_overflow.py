@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import optax_lossscale as ols
-from optax_lossscale import _compat
+from optax_lossscale._core import compat as _compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F16 = jnp.float16

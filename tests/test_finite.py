@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 from jax import export
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _finite, _state, _unscale
+from optax_lossscale._core import config as _config
+from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import state as _state
+from optax_lossscale._core import step as _unscale
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 SPECIALS = (np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3e38, -3e38, 1e-45)

@@ -19,7 +19,7 @@ from _helpers import GRADS, INNERS, PARAMS, assert_trees_equal, jit_step
 from jax import export
 
 import optax_lossscale as ols
-from optax_lossscale import _skip
+from optax_lossscale._core import skip as _skip
 
 
 def run_both(inner, grads_seq):
@@ -129,7 +129,7 @@ def test_unscale_is_the_correctly_rounded_quotient():
   other scales (XLA divides through a reciprocal on CPU). Where the backend
   flushes subnormal inputs and results to zero (XLA on CPU), the reference
   does too; where it keeps them (XLA on GPU), so does the reference."""
-  from optax_lossscale import _unscale
+  from optax_lossscale._core import step as _unscale
 
   flush = (
     _flush_subnormals

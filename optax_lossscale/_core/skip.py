@@ -38,7 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _compat, _interpret, _placement
+from optax_lossscale._core import compat as _compat
+from optax_lossscale._core import interpret as _interpret
+from optax_lossscale._core import placement as _placement
 
 
 def keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:

@@ -3,13 +3,13 @@
 import math
 from typing import Any
 
-from optax_lossscale._config import (
+from optax_lossscale._core.config import (
   FLOAT32_MAX,
   as_real_scalar,
   backoff_factor_ok,
   growth_factor_ok,
 )
-from optax_lossscale._optimizer import (
+from optax_lossscale._core.optimizer import (
   Inner,
   LossScaledTransformation,
   loss_scale_optimizer,

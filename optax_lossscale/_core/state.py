@@ -47,8 +47,8 @@ class LossScaleState(NamedTuple):
     loss_scale: the scale that multiplies the loss, ``float32[]``.
     counter: consecutive finite steps since the scale last grew or backed
       off (Keras's ``dynamic_counter``); ``None`` when the scale is static.
-    notfinite_count: skipped steps in a row.
-    total_notfinite: skipped steps in total.
+    skipped_in_a_row: skipped steps in a row.
+    total_skipped: skipped steps in total.
     last_finite: whether the last step was applied (its gradients, and its
       loss where that decides, were finite), ``bool[]``.
     overflows_in_a_row: steps in a row skipped for their gradients, which
@@ -66,8 +66,8 @@ class LossScaleState(NamedTuple):
 
   loss_scale: jax.Array
   counter: jax.Array | None
-  notfinite_count: jax.Array
-  total_notfinite: jax.Array
+  skipped_in_a_row: jax.Array
+  total_skipped: jax.Array
   last_finite: jax.Array
   overflows_in_a_row: jax.Array
   nan_steps: jax.Array
@@ -129,8 +129,8 @@ def init_loss_scale_state(
   return LossScaleState(
     loss_scale=jnp.asarray(initial_scale, SCALE_DTYPE),
     counter=_zero_count() if dynamic else None,
-    notfinite_count=_zero_count(),
-    total_notfinite=_zero_count(),
+    skipped_in_a_row=_zero_count(),
+    total_skipped=_zero_count(),
     last_finite=jnp.ones([], jnp.bool_),
     overflows_in_a_row=_zero_count(),
     nan_steps=_zero_count(),

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import jax
 
-from optax_lossscale import _compat
+from optax_lossscale._core import compat as _compat
 
 # Primitives whose equation holds a closed jaxpr that runs exactly once.
 _CALLS = ("jit", "pjit", "closed_call")

@@ -5,8 +5,8 @@ from typing import Any
 
 import jax
 
-from optax_lossscale import _locate
-from optax_lossscale._state import SkipStats
+from optax_lossscale._access import locate as _locate
+from optax_lossscale._core.state import SkipStats
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -89,8 +89,8 @@ def skip_stats(opt_state: Any) -> SkipStats:
   """
   state = _locate.read(opt_state)
   return SkipStats(
-    total_skipped=state.total_notfinite,
-    skipped_in_a_row=state.notfinite_count,
+    total_skipped=state.total_skipped,
+    skipped_in_a_row=state.skipped_in_a_row,
     last_finite=state.last_finite,
     nan_steps=state.nan_steps,
     nonfinite_loss_steps=state.nonfinite_loss_steps,

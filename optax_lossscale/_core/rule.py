@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._state import (
+from optax_lossscale._core.config import LossScaleConfig
+from optax_lossscale._core.state import (
   CAUSE_INF,
   CAUSE_LOSS,
   CAUSE_NAN,
@@ -77,10 +77,10 @@ def next_state(
   return LossScaleState(
     loss_scale=loss_scale,
     counter=counter,
-    notfinite_count=jnp.where(
-      applied, _zero(), optax.safe_increment(state.notfinite_count)
+    skipped_in_a_row=jnp.where(
+      applied, _zero(), optax.safe_increment(state.skipped_in_a_row)
     ),
-    total_notfinite=_increment_where(skipped, state.total_notfinite),
+    total_skipped=_increment_where(skipped, state.total_skipped),
     last_finite=applied,
     overflows_in_a_row=overflows_in_a_row,
     nan_steps=_increment_where(skipped & outcome.grads_nan, state.nan_steps),
@@ -137,7 +137,7 @@ def _recorded(
   cause = jnp.where(outcome.grads_nan, cause & ~CAUSE_INF, cause)
   # The slot to write, as a mask: a select of each small array, which XLA
   # fuses, rather than a scatter into it.
-  slot = state.total_notfinite % RECENT_SKIPS
+  slot = state.total_skipped % RECENT_SKIPS
   write = skipped & (jnp.arange(RECENT_SKIPS, dtype=COUNTER_DTYPE) == slot)
   event = (
     state.steps,

@@ -20,13 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale import _compat, _interpret, _locate
-from optax_lossscale._overflow_report import (
+from optax_lossscale._access import locate as _locate
+from optax_lossscale._access.scale import scaled
+from optax_lossscale._core import compat as _compat
+from optax_lossscale._core import interpret as _interpret
+from optax_lossscale._diagnostics.overflow_report import (
   Overflow,
   OverflowReport,
   ScopeStats,
 )
-from optax_lossscale._scale import scaled
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY_DIRS = (

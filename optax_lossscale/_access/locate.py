@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _nnx
-from optax_lossscale._state import (
+from optax_lossscale._access import nnx as _nnx
+from optax_lossscale._core.state import (
   LossScaleState,
   SkipEvents,
   check_scalar_state,

@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale import _locate, _nnx
-from optax_lossscale._config import (
+from optax_lossscale._access import locate as _locate
+from optax_lossscale._access import nnx as _nnx
+from optax_lossscale._core.config import (
   FLOAT32_TINY,
   NORMAL_FLOAT32,
   as_real_scalar,
 )
-from optax_lossscale._state import SCALE_DTYPE
+from optax_lossscale._core.state import SCALE_DTYPE
 
 
 def _is_concrete(x: Any) -> bool:

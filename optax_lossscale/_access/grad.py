@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 
-from optax_lossscale._locate import find_loss_scale_state
-from optax_lossscale._scale import checked_loss, scaled
+from optax_lossscale._access.locate import find_loss_scale_state
+from optax_lossscale._access.scale import checked_loss, scaled
 
 
 def value_and_grad(

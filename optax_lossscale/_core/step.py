@@ -9,9 +9,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_lossscale import _config, _donation, _finite, _rule, _skip
-from optax_lossscale._config import AxisName, LossScaleConfig
-from optax_lossscale._state import (
+from optax_lossscale._core import config as _config
+from optax_lossscale._core import donation as _donation
+from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import rule as _rule
+from optax_lossscale._core import skip as _skip
+from optax_lossscale._core.config import AxisName, LossScaleConfig
+from optax_lossscale._core.state import (
   LossScaleState,
   check_scalar_state,
   init_loss_scale_state,

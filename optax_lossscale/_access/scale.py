@@ -5,9 +5,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._locate import find_loss_scale_state
-from optax_lossscale._state import SCALE_DTYPE
-from optax_lossscale._unscale import wider_dtype
+from optax_lossscale._access.locate import find_loss_scale_state
+from optax_lossscale._core.state import SCALE_DTYPE
+from optax_lossscale._core.step import wider_dtype
 
 
 def scaled(loss: jax.Array, scale: jax.Array) -> jax.Array:

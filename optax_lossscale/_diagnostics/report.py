@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import _locate
-from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._state import (
+from optax_lossscale._access import locate as _locate
+from optax_lossscale._core.config import LossScaleConfig
+from optax_lossscale._core.state import (
   CAUSE_INF,
   CAUSE_LOSS,
   CAUSE_NAN,
@@ -156,8 +156,8 @@ def _report(
     min_scale=min_scale,
     at_floor=at_floor,
     steps=int(state.steps),
-    skipped=int(state.total_notfinite),
-    skipped_in_a_row=int(state.notfinite_count),
+    skipped=int(state.total_skipped),
+    skipped_in_a_row=int(state.skipped_in_a_row),
     nan_steps=int(state.nan_steps),
     nonfinite_loss_steps=int(state.nonfinite_loss_steps),
     recent=_recent(state),

@@ -11,9 +11,11 @@ from typing import Any, TypeAlias
 import jax
 import optax
 
-from optax_lossscale import _config, _skip, _unscale
-from optax_lossscale._config import AxisName
-from optax_lossscale._state import (
+from optax_lossscale._core import config as _config
+from optax_lossscale._core import skip as _skip
+from optax_lossscale._core import step as _step
+from optax_lossscale._core.config import AxisName
+from optax_lossscale._core.state import (
   LossScaleOptimizerState,
   LossScaleState,
 )
@@ -262,7 +264,7 @@ def _loss_scale_optimizer_from_config(
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-      loss_scale_state=_unscale.init_state(config, params),
+      loss_scale_state=_step.init_state(config, params),
       inner_state=inner_state,
     )
 
@@ -275,7 +277,7 @@ def _loss_scale_optimizer_from_config(
     _check_state_type(state)
     # `value` (the unscaled loss) is read here and still reaches `inner`,
     # as optax's extra args do (`reduce_on_plateau` needs it).
-    unscaled, finite, loss_scale_state = _unscale.unscale_check_adjust(
+    unscaled, finite, loss_scale_state = _step.unscale_check_adjust(
       updates, state.loss_scale_state, config, params, extra_args.get("value")
     )
     # The inner update only ever sees finite values: on a skipped step it
