@@ -206,6 +206,7 @@ def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
   c = (
     getattr(tx, "loss_scale_config", None)
     if isinstance(tx, LossScaledTransformation)
+    and tx.__dict__.get("_skips_inner")
     else None
   )
   if c is None:

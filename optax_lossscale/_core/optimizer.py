@@ -19,53 +19,10 @@ from optax_lossscale._core.state import (
   LossScaleOptimizerState,
   LossScaleState,
 )
+from optax_lossscale._core.transformation import LossScaledTransformation
 
 # What `inner` accepts: an optax transformation, or an `optax.MultiSteps`.
 Inner: TypeAlias = optax.GradientTransformation | optax.MultiSteps
-
-
-class LossScaledTransformation(optax.GradientTransformationExtraArgs):
-  """What :func:`loss_scale_optimizer` returns: an optax transformation (a
-  pair of ``init`` and ``update``, as optax's own) that also carries its
-  validated configuration, ``loss_scale_config``.
-
-  The configuration belongs to the pair: it survives copies, pickling and
-  ``tx._replace(init=...)``, and is gone when ``update`` is replaced, since
-  it describes that ``update``.
-  """
-
-  _validated: _config.LossScaleConfig | None
-
-  @classmethod
-  def of(
-    cls,
-    init: optax.TransformInitFn,
-    update: optax.TransformUpdateExtraArgsFn,
-    config: _config.LossScaleConfig,
-  ) -> LossScaledTransformation:
-    """The pair `(init, update)`, carrying `config`."""
-    tx = cls(init, update)
-    tx._validated = config
-    return tx
-
-  @property
-  def loss_scale_config(self) -> _config.LossScaleConfig:
-    """The validated configuration: ``dynamic``, ``initial_scale``,
-    ``growth_steps``, the factors and bounds, ``hysteresis``, ...."""
-    config = self.__dict__.get("_validated")
-    if config is None:
-      raise AttributeError(
-        "This transformation's `update` is not the one"
-        " `loss_scale_optimizer` made (it was replaced), so it has no"
-        " `loss_scale_config`."
-      )
-    return config
-
-  def _replace(self, **fields: Any) -> LossScaledTransformation:
-    replaced = super()._replace(**fields)
-    if "update" not in fields:
-      replaced._validated = self.__dict__.get("_validated")
-    return replaced
 
 
 def _forwards_extra_args(update: Callable[..., Any]) -> bool:
@@ -85,7 +42,8 @@ def _as_transformation(inner: Inner) -> optax.GradientTransformationExtraArgs:
   as ``optax.with_extra_args_support`` does."""
   if isinstance(inner, LossScaledTransformation):
     raise ValueError(
-      "`inner` is already loss-scaled (made by `loss_scale_optimizer`);"
+      "`inner` is already loss-scaled (made by `loss_scale_optimizer` or"
+      " `unscale_and_check`);"
       " wrapping it again would scale and skip twice. Pass the plain optax"
       " transformation instead."
     )
@@ -293,7 +251,9 @@ def _loss_scale_optimizer_from_config(
       loss_scale_state=loss_scale_state, inner_state=inner_state
     )
 
-  return LossScaledTransformation.of(init_fn, update_fn, config)
+  return LossScaledTransformation.of(
+    init_fn, update_fn, config, skips_inner=True
+  )
 
 
 def _check_state_type(state: Any) -> None:

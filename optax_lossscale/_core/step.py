@@ -20,6 +20,7 @@ from optax_lossscale._core.state import (
   check_scalar_state,
   init_loss_scale_state,
 )
+from optax_lossscale._core.transformation import LossScaledTransformation
 
 
 def unscale_and_check(
@@ -35,7 +36,7 @@ def unscale_and_check(
   axis_name: AxisName = None,
   leaf_stats: bool = False,
   backoff_on_nonfinite_loss: bool = True,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaledTransformation:
   r"""Unscales gradients, checks that they are finite, and adjusts the scale.
 
   Each ``update`` divides the incoming (scaled) gradients by the scale in
@@ -115,7 +116,7 @@ def unscale_and_check(
 
 def _unscale_and_check_from_config(
   config: LossScaleConfig,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaledTransformation:
   def init_fn(params: optax.Params) -> LossScaleState:
     return init_state(config, params)
 
@@ -130,7 +131,9 @@ def _unscale_and_check_from_config(
     )
     return _skip.zero_unless(applied, unscaled), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return LossScaledTransformation.of(
+    init_fn, update_fn, config, skips_inner=False
+  )
 
 
 def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
