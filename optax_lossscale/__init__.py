@@ -29,6 +29,9 @@ from optax_lossscale._core.state import LossScaleState as LossScaleState
 from optax_lossscale._core.state import SkipStats as SkipStats
 from optax_lossscale._core.step import unscale_and_check as unscale_and_check
 from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
+from optax_lossscale._diagnostics.report import (
+  raise_if_stuck as raise_if_stuck,
+)
 from optax_lossscale._diagnostics.report import skip_report as skip_report
 
 # The public types say where users import them from (in `help()`, reprs and
@@ -56,6 +59,7 @@ __all__ = (
   "loss_scale",
   "loss_scale_optimizer",
   "nonfinite_leaves",
+  "raise_if_stuck",
   "scale_loss",
   "set_loss_scale",
   "skip_report",
