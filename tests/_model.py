@@ -91,3 +91,18 @@ def step(
         f32(s.scale * f32(config.backoff_factor)), f32(config.min_scale)
       )
   return s
+
+
+def history(
+  config: ModelConfig, outcomes: list[tuple[bool, bool, bool]]
+) -> list[tuple[bool, float, float]]:
+  """`(skipped, scale before, scale after)` for each step of `outcomes`,
+  each `(gradients finite, NaN among them, loss finite)`."""
+  state, steps = initial(config), []
+  for finite, nan, loss_finite in outcomes:
+    before = state.scale
+    state = step(
+      state, finite, config, loss_finite=loss_finite, nan=nan and not finite
+    )
+    steps.append((not state.last_finite, before, state.scale))
+  return steps
