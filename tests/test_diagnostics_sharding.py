@@ -182,3 +182,38 @@ def test_shard_map_with_axis_name_agrees_on_every_shard():
   np.testing.assert_array_equal(stats.nonfinite_loss_steps, np.ones(8))
   np.testing.assert_array_equal(stats.last_finite, np.zeros(8, bool))
   np.testing.assert_array_equal(ols.loss_scale(state), np.full(8, 4.0))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_the_report_says_where_the_mesh_cannot_tell_nan_from_inf(axis_type):
+  """NaN at the floor: an `Explicit` mesh sees the NaN, and the report says
+  NaN; an `Auto` mesh counts it as an inf, and the report says that it
+  cannot tell them apart, never that a NaN is a range problem alone."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    params = tree_on(mesh)
+    tx = ols.loss_scale_optimizer(optax.sgd(1e-2), initial_scale=2.0)
+    step = step_of(tx)
+    state = tx.init(params)
+    nan = poisoned(tree_on(mesh), "w3", (63, 63), np.nan)
+    for _ in range(3):  # at 2, then twice at the floor
+      params, state = step(params, state, nan, jnp.float32(1.0))
+    report = ols.skip_report(state, tx)
+  text = " ".join(str(report).split())
+  assert report.skipped == 3 and report.at_floor
+  if axis_type == AxisType.Explicit:
+    assert report.nan_told_apart is True
+    assert "- NaN in the gradients at every scale down to the floor" in text
+    assert "cannot tell" not in text and "Auto" not in text
+  else:
+    assert report.nan_told_apart is False
+    assert report.nan_steps == 0  # counted as overflows
+    assert "step 2: inf or NaN; scale 1 -> 1" in text
+    assert (
+      "were not finite on 2 steps that ran at the floor (1) (0 with NaN, 2"
+      " with inf (or a NaN on an Auto mesh, which this check cannot tell"
+      " apart)): float16's range (65504) exceeded in a value or a derivative"
+      " even at that scale, or a bug" in text
+    )
+    assert "where the check counts a NaN as an inf" in text
+    assert "overflowed to inf" not in text
