@@ -794,8 +794,8 @@ def _held_by_hysteresis(facts: _Facts) -> str | None:
   else:
     hysteresis = facts.config.hysteresis
     why = (
-      f"`hysteresis={hysteresis}` lowers it only on the {hysteresis}th"
-      " such skip in a row"
+      f"`hysteresis={hysteresis}` lowers it only when {hysteresis} such"
+      " skips come in a row"
     )
   return (
     f"{of} had non-finite gradients and left the scale where it was: {why}."
