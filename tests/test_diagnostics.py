@@ -349,7 +349,7 @@ def report_of(steps, **kwargs):
 
 def test_a_healthy_run_reports_nothing_wrong():
   report = report_of([FINITE] * 3)
-  assert report.skipped == 0
+  assert report.total_skipped == 0
   assert report.diagnosis == (
     "no step was skipped: the gradients of every step were finite at the"
     " scale it ran at.",

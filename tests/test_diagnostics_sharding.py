@@ -200,7 +200,7 @@ def test_the_report_says_where_the_mesh_cannot_tell_nan_from_inf(axis_type):
       params, state = step(params, state, nan, jnp.float32(1.0))
     report = ols.skip_report(state, tx)
   text = " ".join(str(report).split())
-  assert report.skipped == 3 and report.at_floor
+  assert report.total_skipped == 3 and report.at_floor
   if axis_type == AxisType.Explicit:
     assert report.nan_told_apart is True
     assert "- NaN in the gradients at every scale down to the floor" in text

@@ -56,7 +56,7 @@ class SkipReport:
     at_floor: whether the scale now sits at that floor (False where the
       floor is unknown or there is none).
     steps: steps seen, applied and skipped.
-    skipped: steps skipped in total (the state's ``total_skipped``).
+    total_skipped: steps skipped in total.
     skipped_in_a_row: steps skipped in a row, up to now.
     nan_steps: skipped steps whose gradients held a NaN (not only infs).
     nonfinite_loss_steps: skipped steps whose loss was not finite (counted
@@ -80,7 +80,7 @@ class SkipReport:
     >>> state = tx.init(jnp.zeros(2))
     >>> _, state = tx.update(jnp.array([1.0, jnp.inf]), state)
     >>> report = ols.skip_report(state, tx)
-    >>> report.skipped, report.loss_scale, report.recent
+    >>> report.total_skipped, report.loss_scale, report.recent
     (1, 4.0, ((0, ('inf',), 8.0, 4.0),))
     >>> print(report.diagnosis[0])  # doctest: +NORMALIZE_WHITESPACE
     1 step skipped (100%), each an overflow (inf) that lowered the scale:
@@ -92,7 +92,7 @@ class SkipReport:
   min_scale: float | None
   at_floor: bool
   steps: int
-  skipped: int
+  total_skipped: int
   skipped_in_a_row: int
   nan_steps: int
   nonfinite_loss_steps: int
@@ -416,7 +416,7 @@ class _Facts:
     return self.config.min_scale
 
   @property
-  def skipped(self) -> int:
+  def total_skipped(self) -> int:
     return int(self.state.total_skipped)
 
   @property
@@ -429,7 +429,7 @@ class _Facts:
 
   @property
   def every_skip_shown(self) -> bool:
-    return self.skipped == len(self.recent)
+    return self.total_skipped == len(self.recent)
 
   @property
   def streak(self) -> tuple[Event, ...]:
@@ -475,7 +475,6 @@ def _nan_told_apart(
 def _check_agrees(state: LossScaleState, config: LossScaleConfig) -> None:
   """Refuses a configuration the state contradicts: its settings would be
   reported as facts about a run they did not make."""
-  scale = float(state.loss_scale)
   dynamic = state.counter is not None
   if config.dynamic != dynamic:
     _contradiction(
@@ -489,19 +488,8 @@ def _check_agrees(state: LossScaleState, config: LossScaleConfig) -> None:
       f"it has `leaf_stats={config.leaf_stats}`, and the state"
       f" {'holds' if counted else 'holds no'} per-leaf counts"
     )
-  if dynamic and not config.min_scale <= scale <= config.max_scale:
-    _contradiction(
-      f"the state's scale {_format.number(scale)} lies outside its"
-      f" `[min_scale, max_scale]` = [{_format.number(config.min_scale)},"
-      f" {_format.number(config.max_scale)}] (unless it was set there by"
-      " `set_loss_scale`)"
-    )
-  if not dynamic and scale != config.initial_scale:
-    _contradiction(
-      f"its static scale is {_format.number(config.initial_scale)}, the"
-      f" state's is {_format.number(scale)} (unless it was set by"
-      " `set_loss_scale`)"
-    )
+  # The scale itself is not checked against the configuration: `set_loss_scale`
+  # may put it anywhere, legitimately.
 
 
 def _contradiction(why: str) -> None:
@@ -541,7 +529,7 @@ def _report(facts: _Facts) -> SkipReport:
     min_scale=floor,
     at_floor=floor is not None and scale <= floor,
     steps=facts.steps,
-    skipped=facts.skipped,
+    total_skipped=facts.total_skipped,
     skipped_in_a_row=facts.in_a_row,
     nan_steps=int(state.nan_steps),
     nonfinite_loss_steps=int(state.nonfinite_loss_steps),
@@ -583,7 +571,7 @@ def _path_name(path: Any) -> str:
 
 
 def _diagnosis(facts: _Facts) -> tuple[str, ...]:
-  if facts.skipped == 0:
+  if facts.total_skipped == 0:
     return (
       "no step was skipped: the gradients of every step were finite at the"
       " scale it ran at.",
@@ -604,8 +592,8 @@ def _diagnosis(facts: _Facts) -> tuple[str, ...]:
   ]
   said = tuple(sentence for sentence in found if sentence is not None)
   return said or (
-    f"{_format.count(facts.skipped, 'step')} skipped"
-    f" ({_format.share(facts.skipped, facts.steps)}), for the causes counted"
+    f"{_format.count(facts.total_skipped, 'step')} skipped"
+    f" ({_format.share(facts.total_skipped, facts.steps)}), for the causes counted"
     " above; the state points to none of the cases this report knows.",
   )
 
@@ -640,12 +628,12 @@ def _bad_losses(facts: _Facts) -> str | None:
   """Predicate: at least half of the skipped steps had a non-finite loss,
   and not every step did (`_every_batch` says that)."""
   losses = int(facts.state.nonfinite_loss_steps)
-  if not losses or losses < _MOSTLY * facts.skipped:
+  if not losses or losses < _MOSTLY * facts.total_skipped:
     return None
   if _every_batch(facts) is not None:
     return None
   text = (
-    f"the loss itself was not finite in {losses} of {facts.skipped} skipped"
+    f"the loss itself was not finite in {losses} of {facts.total_skipped} skipped"
     " steps: a forward overflow or bad data, which no loss scale fixes."
     " Find where with `ols.find_overflow` on a skipped step's batch"
   )
@@ -815,8 +803,8 @@ def _finding_its_level(facts: _Facts) -> str | None:
   else:
     what = "a skip for non-finite gradients"
   skipped = (
-    f"{_format.count(facts.skipped, 'step')} skipped"
-    f" ({_format.share(facts.skipped, facts.steps)})"
+    f"{_format.count(facts.total_skipped, 'step')} skipped"
+    f" ({_format.share(facts.total_skipped, facts.steps)})"
   )
   if facts.every_skip_shown:
     return (
@@ -889,11 +877,11 @@ def _parameters(facts: _Facts) -> str | None:
 def _lines(report: SkipReport) -> list[str]:
   lines = [_scale_line(report)]
   lines.append(
-    f"steps: {report.steps} seen; skipped: {report.skipped} in total"
-    f" ({_format.share(report.skipped, report.steps)}),"
+    f"steps: {report.steps} seen; skipped: {report.total_skipped} in total"
+    f" ({_format.share(report.total_skipped, report.steps)}),"
     f" {report.skipped_in_a_row} in a row now"
   )
-  if report.skipped:
+  if report.total_skipped:
     nan = f"{report.nan_steps} with NaN in the gradients"
     if report.nan_told_apart is False:
       nan += " (at least: this mesh counts a NaN as an inf)"
