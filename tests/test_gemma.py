@@ -157,11 +157,6 @@ def run(name):
 # An attention-logit overflow.
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the report says 'a forward overflow or bad data' where the loss"
-  " is NaN on every batch (the model's forward pass, not the data)",
-)
 def test_attention_logits_beyond_65504_report():
   _, opt_state, losses = run("attention")
   assert all(np.isnan(losses))
@@ -189,11 +184,6 @@ def test_attention_logits_beyond_65504_finder():
 # A gelu-cube overflow with a finite loss.
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the report calls NaN down to the floor 'a bug ..., not float16's"
-  " range', where the cube's derivative leaves float16's range",
-)
 def test_gelu_cube_overflow_report():
   _, opt_state, losses = run("gelu")
   assert np.all(np.isfinite(losses))
@@ -326,11 +316,6 @@ def test_the_conversion_with_float32_norms_trains():
   assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.05
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the report says 'a bug ..., not float16's range' where rsqrt's"
-  " derivative of a tiny variance leaves float16's range",
-)
 def test_rsqrt_derivative_at_a_tiny_variance_report():
   _, opt_state, _ = run("plain")
   assert_float16_range_not_a_bug(diagnosis(opt_state))
