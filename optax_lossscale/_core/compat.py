@@ -4,14 +4,23 @@ in one place.
 
 Internals here: the primitives the jaxpr interpreter matches (by object,
 never by name), the equation parameters it reads, how an equation is
-re-bound (its parameters, its context, its source information), and the
-frames and name stacks the overflow finder reports. `NAMED` lists each
-primitive and parameter key the package uses; tests/test_compat_names.py
-checks that each exists on the running jax.
+re-bound (its parameters, its context `eqn.ctx`, its source information),
+and the frames and name stacks the overflow finder reports. `PRIMITIVES`
+and `INTERNALS` list each primitive, parameter key and internal name the
+package uses; tests/test_compat_names.py checks each on the running jax.
+
+What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
+`interpret`), `bind` (its `map_params` widens a float16 equation for the
+float32 reference), `user_frames`, `name_scopes`, the jaxpr types, and
+`primitives` to match jax's own primitives by object
+(`eqn.primitive is compat.primitives.exp_p`).
 
 Everything else in the package uses public jax only. Where a name here goes
-away in a new jax, it resolves to None: the skip's rewrite then falls back
-to a plain select with a warning (`skip`), and the test above fails in CI.
+away in a new jax, it resolves to None and the test above fails in CI; at
+run time a call of a primitive that did not resolve is bound whole (the
+skip stays exact, and selects that call's state outputs after it), and an
+equation that no longer re-binds makes the skip fall back to the plain
+select with a warning (`skip`).
 """
 
 import contextlib
@@ -52,14 +61,22 @@ def _remat_primitive() -> Any:
   return getattr(ad_checkpoint, "remat_p", None)
 
 
-# The primitives the package matches, by identity.
-jit_p = _primitive("jit_p")
+# The primitives the package matches, by identity, and the equation
+# parameter that holds each one's body.
+jit_p = _primitive("jit_p")  # body: a ClosedJaxpr
 # jax >= 0.12: an alias of `eval_jaxpr_p`, whose name is "eval_jaxpr"; a
 # match by name would no longer enter it.
-closed_call_p = _primitive("closed_call_p")
-remat_p = _remat_primitive()  # named "remat2"
-custom_jvp_call_p = _primitive("custom_jvp_call_p")
-custom_vjp_call_p = _primitive("custom_vjp_call_p")
+closed_call_p = _primitive("closed_call_p")  # body: a ClosedJaxpr
+remat_p = _remat_primitive()  # named "remat2"; body: an open Jaxpr
+custom_jvp_call_p = _primitive("custom_jvp_call_p")  # body: a ClosedJaxpr
+custom_vjp_call_p = _primitive("custom_vjp_call_p")  # body: a ClosedJaxpr
+_BODY_KEYS = {
+  jit_p: "jaxpr",
+  closed_call_p: "call_jaxpr",
+  remat_p: "jaxpr",
+  custom_jvp_call_p: "call_jaxpr",
+  custom_vjp_call_p: "call_jaxpr",
+}
 
 # Calls whose equation holds a `ClosedJaxpr` that runs exactly once.
 CALLS = frozenset(p for p in (jit_p, closed_call_p) if p is not None)
@@ -69,18 +86,6 @@ RULED_CALLS = frozenset(
   p for p in (remat_p, custom_jvp_call_p, custom_vjp_call_p) if p is not None
 )
 
-# The equation parameter that holds each call's body.
-_BODY_KEYS = {
-  p: key
-  for p, key in (
-    (jit_p, "jaxpr"),  # a ClosedJaxpr
-    (closed_call_p, "call_jaxpr"),  # a ClosedJaxpr
-    (remat_p, "jaxpr"),  # an open Jaxpr
-    (custom_jvp_call_p, "call_jaxpr"),  # a ClosedJaxpr
-    (custom_vjp_call_p, "call_jaxpr"),  # a ClosedJaxpr
-  )
-  if p is not None
-}
 # A `jit` that places or donates its inputs or outputs is not inlined: its
 # placement would be lost.
 _PLACEMENT_KEYS = ("in_shardings", "out_shardings")
@@ -90,12 +95,21 @@ _NAME_KEY = "name"  # a `jit`'s function name, kept in the inlined name stack
 # Each primitive the package names, and the parameter keys it reads from its
 # equations: tests/test_compat_names.py checks both on the running jax.
 PRIMITIVES: dict[str, tuple[Any, tuple[str, ...]]] = {
-  "jit_p": (jit_p, ("jaxpr", *_PLACEMENT_KEYS, _DONATION_KEY, _NAME_KEY)),
-  "closed_call_p": (closed_call_p, ("call_jaxpr",)),
-  "remat_p": (remat_p, ("jaxpr",)),
-  "custom_jvp_call_p": (custom_jvp_call_p, ("call_jaxpr",)),
-  "custom_vjp_call_p": (custom_vjp_call_p, ("call_jaxpr",)),
+  name: (p, (_BODY_KEYS[p], *extra))
+  for name, p, extra in (
+    ("jit_p", jit_p, (*_PLACEMENT_KEYS, _DONATION_KEY, _NAME_KEY)),
+    ("closed_call_p", closed_call_p, ()),
+    ("remat_p", remat_p, ()),
+    ("custom_jvp_call_p", custom_jvp_call_p, ()),
+    ("custom_vjp_call_p", custom_vjp_call_p, ()),
+  )
 }
+
+# jax's own primitives, by object, for the overflow finder: public in
+# `jax.extend.core.primitives` on every supported jax, but for
+# `optimization_barrier_p` (in `jax.lax` only).
+primitives = _primitives
+optimization_barrier_p = getattr(jax.lax, "optimization_barrier_p", None)
 
 # Source information that `jax.extend.source_info_util` does not export
 # (on any supported jax): the user's frames, and the name stack's elements.
@@ -105,6 +119,7 @@ _Transform = getattr(_src_source_info, "Transform", None)
 # The other internal names the package uses, for the same test.
 INTERNALS: dict[str, Any] = {
   "DropVar": DropVar,
+  "lax.optimization_barrier_p": optimization_barrier_p,
   "source_info_util.user_frames": _user_frames,
   "source_info_util.Transform": _Transform,
 }
