@@ -92,3 +92,20 @@ def test_name_scopes_and_frames_are_read():
   assert any(transposed for _, transposed in scopes)  # the backward pass
   frames = _compat.user_frames(eqns[0])
   assert frames and frames[0][0] == __file__
+
+
+def test_bind_passes_the_parameters_through_map_params():
+  # The overflow finder's float32 reference: a float16 equation re-bound
+  # with its dtype parameters widened.
+  (eqn,) = jax.make_jaxpr(lambda x: x.astype(jnp.float16))(1.0).jaxpr.eqns
+
+  def widen(params):
+    return {
+      k: jnp.dtype(jnp.float32) if v == jnp.float16 else v
+      for k, v in params.items()
+    }
+
+  (narrow,) = _compat.bind(eqn, [jnp.float32(1 + 2**-20)])
+  (wide,) = _compat.bind(eqn, [jnp.float32(1 + 2**-20)], map_params=widen)
+  assert (narrow.dtype, float(narrow)) == (jnp.float16, 1.0)
+  assert (wide.dtype, float(wide)) == (jnp.float32, 1 + 2**-20)
