@@ -13,6 +13,7 @@ from optax_lossscale._access.readouts import (
 from optax_lossscale._access.readouts import skip_stats as skip_stats
 from optax_lossscale._access.scale import scale_loss as scale_loss
 from optax_lossscale._access.setter import set_loss_scale as set_loss_scale
+from optax_lossscale._access.upgrade import upgrade_state as upgrade_state
 from optax_lossscale._core.finite import all_finite as all_finite
 from optax_lossscale._core.keras import from_keras_config as from_keras_config
 from optax_lossscale._core.keras import to_keras_config as to_keras_config
@@ -45,7 +46,7 @@ for _public_type in (
   _public_type.__module__ = __name__
 del _public_type
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
   "LossScaleOptimizerState",
@@ -66,5 +67,6 @@ __all__ = (
   "skip_stats",
   "to_keras_config",
   "unscale_and_check",
+  "upgrade_state",
   "value_and_grad",
 )

@@ -1,118 +1,247 @@
-"""Every use of jax internals, and every spelling that differs between the
-oldest and the newest jax supported, in one place.
+"""Every use of jax internals in the package, and every spelling that
+differs between the oldest and the newest jax supported (0.7.1 .. 0.12.x),
+in one place.
+
+Internals here: the primitives the jaxpr interpreter matches (by object,
+never by name), the equation parameters it reads, how an equation is
+re-bound (its parameters, its context `eqn.ctx`, its source information),
+and the frames and name stacks the overflow finder reports. `PRIMITIVES`
+and `INTERNALS` list each primitive, parameter key and internal name the
+package uses; tests/test_compat_names.py checks each on the running jax.
+
+What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
+`interpret`), `bind` (its `map_params` widens a float16 equation for the
+float32 reference), `user_frames`, `name_scopes`, the jaxpr types, and
+`primitives` to match jax's own primitives by object
+(`eqn.primitive is compat.primitives.exp_p`).
 
 Everything else in the package uses public jax only. Where a name here goes
-away in a new jax, the skip's rewrite falls back to a plain select with a
-warning (`_skip`), and the overflow finder says it cannot name sources.
+away in a new jax, it resolves to None and the test above fails in CI; at
+run time a call of a primitive that did not resolve is bound whole (the
+skip stays exact, and selects that call's state outputs after it), and an
+equation that no longer re-binds makes the skip fall back to the plain
+select with a warning (`skip`).
 """
 
 import contextlib
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import source_info_util as _src_source_info
 from jax.extend import core as jex_core
+from jax.extend import source_info_util as source_info
+from jax.extend.core import primitives as _primitives
 
 Var = jex_core.Var
 Literal = jex_core.Literal
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
+Primitive = jex_core.Primitive
 
-source_info: types.ModuleType | None
-try:  # name stacks and tracebacks of re-bound equations, for profiles
-  from jax._src import source_info_util as source_info
-except ImportError:  # pragma: no cover - everything runs without them
-  source_info = None
-
-
-def _drop_var_type() -> type:
-  # Public in `jax.extend.core` only in newer jax.
-  for module in (jex_core, jax.core):
-    if hasattr(module, "DropVar"):
-      return module.DropVar
-  from jax._src import core as src_core  # older jax
-
-  return src_core.DropVar
+# jax < 0.10: `DropVar` is public in `jax.core` only; jax >= 0.12: in
+# `jax.extend.core` only.
+DropVar = getattr(jex_core, "DropVar", None) or jax.core.DropVar
 
 
-DropVar = _drop_var_type()
+def _primitive(name: str) -> Any:
+  """The primitive object `jax.extend.core.primitives.<name>`, or None on a
+  jax that lacks it (the names test fails there)."""
+  return getattr(_primitives, name, None)
 
 
-def bind_args(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
-  """`(subfuns, params)` with which `eqn.primitive.bind` re-binds `eqn`."""
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+def _remat_primitive() -> Any:
+  # jax < 0.8.2: `remat_p` is in `jax._src.ad_checkpoint` only.
+  found = _primitive("remat_p")
+  if found is not None:
+    return found
+  from jax._src import ad_checkpoint  # jax < 0.8.2
+
+  return getattr(ad_checkpoint, "remat_p", None)
+
+
+# The primitives the package matches, by identity, and the equation
+# parameter that holds each one's body.
+jit_p = _primitive("jit_p")  # body: a ClosedJaxpr
+# jax >= 0.12: an alias of `eval_jaxpr_p`, whose name is "eval_jaxpr"; a
+# match by name would no longer enter it.
+closed_call_p = _primitive("closed_call_p")  # body: a ClosedJaxpr
+remat_p = _remat_primitive()  # named "remat2"; body: an open Jaxpr
+custom_jvp_call_p = _primitive("custom_jvp_call_p")  # body: a ClosedJaxpr
+custom_vjp_call_p = _primitive("custom_vjp_call_p")  # body: a ClosedJaxpr
+_BODY_KEYS = {
+  jit_p: "jaxpr",
+  closed_call_p: "call_jaxpr",
+  remat_p: "jaxpr",
+  custom_jvp_call_p: "call_jaxpr",
+  custom_vjp_call_p: "call_jaxpr",
+}
+
+# Calls whose equation holds a `ClosedJaxpr` that runs exactly once.
+CALLS = frozenset(p for p in (jit_p, closed_call_p) if p is not None)
+# Calls whose body runs exactly once under a rule of its own:
+# rematerialization, a custom derivative.
+RULED_CALLS = frozenset(
+  p for p in (remat_p, custom_jvp_call_p, custom_vjp_call_p) if p is not None
+)
+
+# A `jit` that places or donates its inputs or outputs is not inlined: its
+# placement would be lost.
+_PLACEMENT_KEYS = ("in_shardings", "out_shardings")
+_DONATION_KEY = "donated_invars"
+_NAME_KEY = "name"  # a `jit`'s function name, kept in the inlined name stack
+
+# Each primitive the package names, and the parameter keys it reads from its
+# equations: tests/test_compat_names.py checks both on the running jax.
+PRIMITIVES: dict[str, tuple[Any, tuple[str, ...]]] = {
+  name: (p, (_BODY_KEYS[p], *extra))
+  for name, p, extra in (
+    ("jit_p", jit_p, (*_PLACEMENT_KEYS, _DONATION_KEY, _NAME_KEY)),
+    ("closed_call_p", closed_call_p, ()),
+    ("remat_p", remat_p, ()),
+    ("custom_jvp_call_p", custom_jvp_call_p, ()),
+    ("custom_vjp_call_p", custom_vjp_call_p, ()),
+  )
+}
+
+# jax's own primitives, by object, for the overflow finder: public in
+# `jax.extend.core.primitives` on every supported jax, but for
+# `optimization_barrier_p` (in `jax.lax` only).
+primitives = _primitives
+optimization_barrier_p = getattr(jax.lax, "optimization_barrier_p", None)
+
+# Source information that `jax.extend.source_info_util` does not export
+# (on any supported jax): the user's frames, and the name stack's elements.
+_user_frames = getattr(_src_source_info, "user_frames", None)
+_Transform = getattr(_src_source_info, "Transform", None)
+
+# The other internal names the package uses, for the same test.
+INTERNALS: dict[str, Any] = {
+  "DropVar": DropVar,
+  "lax.optimization_barrier_p": optimization_barrier_p,
+  "source_info_util.user_frames": _user_frames,
+  "source_info_util.Transform": _Transform,
+}
+
+
+def bind_params(
+  primitive: Any, params: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+  """`(subfuns, params)` with which `primitive.bind(*subfuns, *args,
+  **params)` binds an equation of `primitive` with `params`."""
+  bind_params = primitive.get_bind_params(params)
+  # jax < 0.10: `(subfuns, params)`; a call's function is a positional
+  # argument. jax >= 0.10: one dict (a call's function under "subfuns").
+  if isinstance(bind_params, tuple):
     subfuns, params = bind_params
     return list(subfuns), params
   return [], bind_params
 
 
-def source_of(
-  eqn: Any, inlined: bool = False
-) -> contextlib.AbstractContextManager[Any]:
-  """Binds under `eqn`'s traceback and name stack (and, for an inlined call,
-  its name), so that profiles and HLO metadata keep them."""
-  if source_info is None:
-    return contextlib.nullcontext()
-  stack = contextlib.ExitStack()
+def bind_args(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
+  """`(subfuns, params)` with which `eqn.primitive.bind` re-binds `eqn`."""
+  return bind_params(eqn.primitive, eqn.params)
+
+
+def bind(
+  eqn: Any,
+  invals: Sequence[Any],
+  map_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> list[Any]:
+  """Binds `eqn`'s primitive on `invals` as the equation does: with its
+  parameters (passed through `map_params` first, where given), in its
+  context (`eqn.ctx`: the mesh, compute types) and under its source
+  information. A list of the outputs."""
+  subfuns, params = bind_args(eqn)
+  if map_params is not None:
+    params = map_params(params)
+  with source_of(eqn), eqn.ctx.manager:
+    outvals = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(outvals) if eqn.primitive.multiple_results else [outvals]
+
+
+def call_body(eqn: Any) -> Any:
+  """The body (a `ClosedJaxpr`) of a call in `CALLS` that may be evaluated
+  in its caller's place, or None.
+
+  A `jit` that places its inputs or outputs (`in_shardings`,
+  `out_shardings`) or donates them is not: inlined, those would be lost.
+  """
+  if eqn.primitive not in CALLS:
+    return None
+  body = eqn.params[_BODY_KEYS[eqn.primitive]]
+  placed = [
+    s
+    for key in _PLACEMENT_KEYS
+    for s in eqn.params.get(key, ())
+    if isinstance(s, jax.sharding.Sharding)
+  ]
+  if placed or any(eqn.params.get(_DONATION_KEY, ())):
+    return None
+  return body
+
+
+def ruled_call_body(eqn: Any) -> Any:
+  """The body (a `ClosedJaxpr`) of a call in `RULED_CALLS`, or None;
+  evaluated in the call's place it computes the call's outputs."""
+  if eqn.primitive not in RULED_CALLS:
+    return None
+  body = eqn.params[_BODY_KEYS[eqn.primitive]]
+  if isinstance(body, Jaxpr):  # remat's body is open, without consts
+    return ClosedJaxpr(body, [])
+  return body
+
+
+@contextlib.contextmanager
+def inlined(eqn: Any) -> Any:
+  """While a call's body is evaluated in the call's place: its equations
+  bind under the call's source information and its name (a `jit`'s)."""
+  with source_of(eqn), contextlib.ExitStack() as stack:
+    name = eqn.params.get(_NAME_KEY) if eqn.primitive is jit_p else None
+    if name:
+      stack.enter_context(source_info.extend_name_stack(name))
+    yield
+
+
+def source_of(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+  """Binds under `eqn`'s traceback and name stack, so that profiles and HLO
+  metadata keep them."""
   info = eqn.source_info
-  stack.enter_context(
-    source_info.user_context(
-      info.traceback,
-      name_stack=source_info.current_name_stack() + info.name_stack,
-    )
+  return source_info.user_context(
+    info.traceback,
+    name_stack=source_info.current_name_stack() + info.name_stack,
   )
-  if inlined and eqn.params.get("name"):
-    stack.enter_context(source_info.extend_name_stack(eqn.params["name"]))
-  return stack
-
-
-def user_frame(eqn: Any) -> str | None:
-  """`file:line (function)` of the user's code that made `eqn`, or None."""
-  if source_info is None:
-    return None
-  try:
-    frame = source_info.user_frame(eqn.source_info.traceback)
-  except Exception:
-    return None
-  if frame is None:
-    return None
-  return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
 def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
   """`(file, line, function)` of each frame of the code that made `eqn`,
   innermost first, jax's own frames left out (an empty list when unknown).
   `function` is the qualified name (`MLP.__call__`)."""
-  if source_info is None:
+  if _user_frames is None:
     return []
-  try:
-    return [
-      (frame.file_name, frame.start_line, frame.function_name)
-      for frame in source_info.user_frames(eqn.source_info.traceback)
-    ]
-  except Exception:
-    return []
+  return [
+    (frame.file_name, frame.start_line, frame.function_name)
+    for frame in _user_frames(eqn.source_info.traceback)
+  ]
 
 
 def name_scopes(eqn: Any) -> tuple[tuple[str, ...], bool]:
   """The names in `eqn`'s name stack (`jax.named_scope`, Flax Linen module
   paths), outermost first, and whether a `transpose` is among its
   transformations: the equation then belongs to a backward pass."""
-  stack = getattr(eqn.source_info.name_stack, "stack", None)
-  if stack is None:  # pragma: no cover - a name stack of another shape
-    return (), "transpose(" in str(eqn.source_info.name_stack)
   names, transposed = [], False
-  for element in stack:
-    if type(element).__name__ == "Transform":
+  for element in eqn.source_info.name_stack.stack:
+    if _Transform is not None and isinstance(element, _Transform):
       transposed = transposed or element.name == "transpose"
     else:
       names.append(element.name)
   return tuple(names), transposed
 
 
+# Not compatibility code: the overflow finder's compile options, here until
+# the finder holds them.
+#
 # XLA:CPU compiles a program kernel by kernel; a program that reads every
 # intermediate value (the overflow finder's) has a kernel for nearly every
 # operation. The older elemental emitters compile those several times
@@ -156,12 +285,8 @@ def compile_for_one_run(lowered: Any, elements: int) -> Any:
 def shard_map(
   f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any
 ) -> Callable[..., Any]:
-  """`jax.shard_map`, or its older home."""
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  from jax.experimental.shard_map import shard_map as old  # older jax
-
-  return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  """`jax.shard_map` (public from jax 0.7.1 on, the oldest supported)."""
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def varying_like(x: Any, like: Any) -> Any:
@@ -172,7 +297,8 @@ def varying_like(x: Any, like: Any) -> Any:
   if not missing:
     return x
   axes = tuple(sorted(missing, key=str))
-  # `pcast` in newer jax, `pvary` in older; neither in both's type stubs.
+  # jax >= 0.8.2: `pcast`; jax < 0.10: `pvary` (neither is in the type
+  # stubs of both).
   cast = getattr(jax.lax, "pcast", None)
   if cast is not None:
     return cast(x, axes, to="varying")
@@ -182,8 +308,9 @@ def varying_like(x: Any, like: Any) -> Any:
 
 
 def _varying_axes(x: Any) -> frozenset[Any]:
-  """The manual axes over which `x` varies (`vma` in older jax)."""
+  """The manual axes over which `x` varies."""
   aval = jax.typeof(x)
+  # jax >= 0.10: `manual_axis_type.varying`; jax < 0.10: `vma`.
   manual = getattr(aval, "manual_axis_type", None)
   if manual is not None:
     return frozenset(manual.varying)

@@ -10,29 +10,15 @@ as it is, control flow included.
 
 Under a trace (`jit`, `make_jaxpr`) the result is a new program; eagerly,
 each equation runs as it is bound.
+
+Which primitives are calls, where their bodies are and how an equation is
+re-bound are jax internals: `compat` holds them.
 """
 
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import jax
-
 from optax_lossscale._core import compat as _compat
-
-# Primitives whose equation holds a closed jaxpr that runs exactly once.
-_CALLS = ("jit", "pjit", "closed_call")
-
-# Primitives whose equation holds a jaxpr that runs exactly once, under a
-# rule of its own: rematerialization, a custom derivative. Entered, the rule
-# is lost, so only a caller whose result is neither differentiated nor
-# compiled for its memory use may enter them (the overflow finder does).
-_RULED_CALLS = (
-  "checkpoint",
-  "remat2",
-  "custom_jvp_call",
-  "custom_vjp_call",
-  "custom_vjp_call_jaxpr",
-)
 
 
 class Visitor(Protocol):
@@ -60,8 +46,11 @@ def evaluate(
   """Evaluates `jaxpr` (an open `Jaxpr`) on `consts` and `args`, handing
   every equation's outputs to `visitor`; returns the jaxpr's outputs.
 
-  With `ruled_calls`, the bodies of remat and of custom-derivative calls
-  are offered to `visitor.enter` too (see `_RULED_CALLS`).
+  The bodies of `compat.CALLS` are offered to `visitor.enter`; with
+  `ruled_calls`, those of `compat.RULED_CALLS` too (remat and custom
+  derivatives): entered, their rule is lost, so only a caller whose result
+  is neither differentiated nor compiled for its memory use may enter them
+  (the overflow finder does).
   """
   env: dict[Any, Any] = {}
 
@@ -79,67 +68,19 @@ def evaluate(
   write(jaxpr.invars, args)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    body = call_body(eqn)
+    body = _compat.call_body(eqn)
     if body is None and ruled_calls:
-      body = ruled_call_body(eqn)
+      body = _compat.ruled_call_body(eqn)
     inner = None if body is None else visitor.enter(eqn, body)
     if inner is not None:
-      with _compat.source_of(eqn, inlined=True):
+      with _compat.inlined(eqn):
         outvals = evaluate(
           body.jaxpr, body.consts, invals, inner, ruled_calls=ruled_calls
         )
     else:
-      outvals = bind(eqn, invals)
+      outvals = _compat.bind(eqn, invals)
     write(eqn.outvars, visitor.produced(eqn, outvals))
   return [read(v) for v in jaxpr.outvars]
-
-
-def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-  """Binds `eqn`'s primitive on `invals`, as the equation does; a list of
-  its outputs."""
-  subfuns, params = _compat.bind_args(eqn)
-  with _compat.source_of(eqn), eqn.ctx.manager:
-    outvals = eqn.primitive.bind(*subfuns, *invals, **params)
-  return list(outvals) if eqn.primitive.multiple_results else [outvals]
-
-
-def call_body(eqn: Any) -> Any:
-  """The body of a call equation (a `ClosedJaxpr`) that may be evaluated in
-  its caller's place, or None.
-
-  A `jit` that places its inputs or outputs (`in_shardings`,
-  `out_shardings`) or donates them is not: entered, those would be lost.
-  """
-  if eqn.primitive.name not in _CALLS:
-    return None
-  body = eqn.params.get("jaxpr")
-  if body is None:
-    body = eqn.params.get("call_jaxpr")
-  if not isinstance(body, _compat.ClosedJaxpr):
-    return None
-  placed = [
-    s
-    for key in ("in_shardings", "out_shardings")
-    for s in eqn.params.get(key, ())
-    if isinstance(s, jax.sharding.Sharding)
-  ]
-  if placed or any(eqn.params.get("donated_invars", ())):
-    return None
-  return body
-
-
-def ruled_call_body(eqn: Any) -> Any:
-  """The body of a remat or custom-derivative call (a `ClosedJaxpr`), or
-  None; evaluated in the call's place it computes the call's outputs."""
-  if eqn.primitive.name not in _RULED_CALLS:
-    return None
-  for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
-    body = eqn.params.get(key)
-    if isinstance(body, _compat.ClosedJaxpr):
-      return body
-    if isinstance(body, _compat.Jaxpr) and not body.constvars:
-      return _compat.ClosedJaxpr(body, [])  # remat's body is open
-  return None
 
 
 def produced_inside(body: Any) -> list[bool]:
