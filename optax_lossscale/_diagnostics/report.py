@@ -593,8 +593,8 @@ def _diagnosis(facts: _Facts) -> tuple[str, ...]:
   said = tuple(sentence for sentence in found if sentence is not None)
   return said or (
     f"{_format.count(facts.total_skipped, 'step')} skipped"
-    f" ({_format.share(facts.total_skipped, facts.steps)}), for the causes counted"
-    " above; the state points to none of the cases this report knows.",
+    f" ({_format.share(facts.total_skipped, facts.steps)}), for the causes"
+    " counted above; the state points to none of the cases this report knows.",
   )
 
 
@@ -633,8 +633,8 @@ def _bad_losses(facts: _Facts) -> str | None:
   if _every_batch(facts) is not None:
     return None
   text = (
-    f"the loss itself was not finite in {losses} of {facts.total_skipped} skipped"
-    " steps: a forward overflow or bad data, which no loss scale fixes."
+    f"the loss itself was not finite in {losses} of {facts.total_skipped}"
+    " skipped steps: a forward overflow or bad data, which no loss scale fixes."
     " Find where with `ols.find_overflow` on a skipped step's batch"
   )
   return text + _loss_and_scale(facts) + "."
