@@ -4,6 +4,7 @@ Build (warnings are errors; `.ci/run` runs the same into a temporary folder):
   python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
 
+import dataclasses
 import importlib
 import inspect
 import pathlib
@@ -72,6 +73,10 @@ autodoc_typehints_description_target = "documented"
 autodoc_typehints_format = "short"
 # `optax_lossscale.LossScaleState` in a type reads `LossScaleState`.
 python_use_unqualified_type_names = True
+# A heading reads `class SkipReport`, not the private module that defines
+# it (the returned types are documented from there: they are not exported).
+add_module_names = False
+
 # Cross-references the docstrings make to optax, jax and numpy names cannot
 # resolve without intersphinx (no network in CI), so they are not checked.
 nitpicky = False
@@ -116,6 +121,79 @@ def _public_name(match: re.Match) -> str:
 def _public_paths(app, what, name, obj, options, lines) -> None:
   """autodoc-process-docstring, after napoleon has written its fields."""
   lines[:] = [_PRIVATE_PATH.sub(_public_name, line) for line in lines]
+  _prose_types_as_sentences(lines)
+  _every_field_listed(what, obj, lines)
+
+
+# Napoleon reads `Returns: A SkipReport: print it, ...` as the type
+# "A SkipReport" and the description "print it, ...", and a property's
+# "The validated configuration: ..." as the type "The validated
+# configuration". A "type" that starts with an article is prose: it goes back
+# in front of its description, and the return type comes from the
+# annotation (autodoc adds it, linked, where none is written).
+_PROSE_TYPE = re.compile(
+  r"^:(?P<field>rtype|type):\s+(?P<text>(?:A|An|The)\s.*)$"
+)
+
+
+def _prose_types_as_sentences(lines: list[str]) -> None:
+  for i, line in enumerate(lines):
+    m = _PROSE_TYPE.match(line)
+    if m is None:
+      continue
+    del lines[i]
+    if m["field"] == "rtype":
+      targets = [j for j, x in enumerate(lines) if x.startswith(":returns:")]
+      if targets:
+        j = targets[0]
+        rest = lines[j][len(":returns:") :].strip()
+        lines[j] = f":returns: {m['text']}: {rest}"
+      else:
+        lines.insert(i, f":returns: {m['text']}.")
+    else:
+      # A property: its first paragraph is the description; the prose is
+      # its opening words.
+      first = next((j for j, x in enumerate(lines) if x.strip()), None)
+      if first is None:
+        lines.insert(0, f"{m['text']}.")
+      else:
+        lines[first] = f"{m['text']}: {lines[first].lstrip()}"
+    _prose_types_as_sentences(lines)
+    return
+
+
+def _every_field_listed(what: str, obj: object, lines: list[str]) -> None:
+  """A returned dataclass's fields are each listed, with their type, even
+  where its docstring describes only some: napoleon lists those it
+  describes (`.. attribute:: dtype, shape` for several at once)."""
+  if what != "class" or not dataclasses.is_dataclass(obj):
+    return
+  listed = {
+    name.strip()
+    for line in lines
+    if line.startswith(".. attribute:: ")
+    for name in line[len(".. attribute:: ") :].split(",")
+  }
+  for field in dataclasses.fields(obj):
+    if field.name not in listed:
+      annotation = (
+        field.type
+        if isinstance(field.type, str)
+        else inspect.formatannotation(field.type)
+      )
+      lines += ["", f".. attribute:: {field.name}"]
+      if annotation:
+        lines.append(f"   :type: {annotation}")
+      lines.append("")
+
+
+def _public_headings(app, what, name, obj, options, signature, annotation):
+  """autodoc-process-signature: a class's heading is its name alone. The
+  types documented here are read (returned, or held by a state), not built,
+  and their fields are listed below the heading."""
+  if what == "class":
+    return "", annotation
+  return None
 
 
 def _array_like_by_name(app, domain, objtype, contentnode) -> None:
@@ -144,3 +222,4 @@ def setup(app):
   # After napoleon (500) and after autodoc's own typehint fields (500).
   app.connect("autodoc-process-docstring", _public_paths, priority=600)
   app.connect("object-description-transform", _array_like_by_name, 600)
+  app.connect("autodoc-process-signature", _public_headings)

@@ -3,12 +3,15 @@ own claims at a reduced size, its bookkeeping, and the notebook that shows
 it. The study runs on the session's default platform: only the script
 chooses one."""
 
+import contextlib
 import dataclasses
 import doctest
 import importlib
+import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -141,6 +144,85 @@ def test_main_job_dynamic_grows_and_backs_off(trained):
   # the start, 2**20 to 2**21 by step 30)
   assert LOW <= r.final_scale <= 2.0**22
   assert r.act_flushed_mean < 0.01
+
+
+# ------------------------------------------------ the main job's output
+
+
+@pytest.fixture(scope="module")
+def printed(trained):
+  """The main job's report, printed from the reduced runs."""
+  result = results.StudyResult(
+    config=Config(steps=STEPS, n_checkpoints=1, growth_steps=3),
+    runs={name: trained[name] for name in runs.MAIN_RUNS},
+  )
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    cli.print_report(result)
+  return out.getvalue()
+
+
+def _table(text):
+  lines = text.splitlines()
+  start = next(i for i, x in enumerate(lines) if x.startswith("run "))
+  return lines[start : start + 1 + len(runs.MAIN_RUNS)]
+
+
+def test_main_table_columns_line_up(printed):
+  header, *rows = _table(printed)
+  # Every column right-aligned under its heading: each row is as long as
+  # the header, and each heading's last character sits above a value's.
+  ends = [m.end() for m in re.finditer(r"\S+(?: \S+)*", header)][1:]
+  for row in rows:
+    assert len(row) == len(header), row
+    for end in ends:
+      assert row[end - 1] != " ", (header, row)
+
+
+def test_main_job_writes_scales_as_powers_of_two(printed):
+  assert not re.search(r"\d\.\d+e\+\d", printed)  # no 1.04858e+06
+  _, *rows = _table(printed)
+  finals = {row.split()[0]: row.split()[-1] for row in rows}
+  assert finals["fp32"] == finals["fp16"] == "-"  # no scale
+  assert finals["fp16_static"] == "2**10"
+  assert finals["fp16_dynamic"] == "2**15"
+  assert re.fullmatch(r"2\*\*\d+", finals["fp16_dynamic_g5"])
+
+
+def test_main_job_says_activation_before_parameter(printed):
+  assert "param / act" not in printed and "(param)" not in printed
+  header = _table(printed)[0]
+  assert header.index("act flushed %") < header.index("param flushed %")
+  assert "(activation % / parameter %)" in printed
+
+
+def test_main_job_numbers_steps_as_the_skip_report_does(printed, trained):
+  assert report.STEP_NUMBERING in printed
+  r = trained["fp16_dynamic_g5"]
+  # The skipped steps in the scale's changes are the report's steps.
+  listed = [int(s) for s in re.findall(r"(\d+): 2\*\*\d+ \(skipped\)", printed)]
+  np.testing.assert_array_equal(listed, np.nonzero(r.skipped)[0])
+  reported = [int(s) for s in re.findall(r"step (\d+): inf", printed)]
+  assert reported == listed[-len(reported) :]
+  assert len(reported) >= 1
+
+
+def test_main_job_ends_with_the_result(printed, trained):
+  closing = " ".join(printed.strip().split("\n\n")[-1].split())
+  ref, dyn, plain = (trained[n] for n in ("fp32", "fp16_dynamic", "fp16"))
+  assert closing.startswith(f"Result after {STEPS} steps: float16 with dynamic")
+  assert f"({dyn.eval_loss:.4f} against {ref.eval_loss:.4f})" in closing
+  assert "no skipped step" in closing  # the defaults never overflow here
+  assert f"plain float16 ends {plain.eval_loss - ref.eval_loss:.4f} behind" in (
+    closing
+  )
+  assert f"{100 * plain.act_flushed_mean:.0f}% of its activation" in closing
+  # It prints the scale's actions for the run whose scale moves.
+  g5 = trained["fp16_dynamic_g5"]
+  assert (
+    f"{g5.growths} growths, {g5.backoffs} backoffs,"
+    f" {g5.skipped_total} skipped steps" in printed
+  )
 
 
 # ------------------------------------------------ corrupted batches

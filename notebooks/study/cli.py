@@ -182,11 +182,23 @@ def print_report(result: Result) -> None:
   note = report.format_replicas_note(config)
   if note is not None:
     print(note)
+  print()
+  print(report.format_runs(result))
+  print(report.STEP_NUMBERING)
+  print()
   print(report.format_table(result))
+  print(report.TABLE_LEGEND)
+  print()
   print(report.format_scales(result))
   # One report: the run whose scale moves within the main job.
-  for line in report.skip_report_lines(result.runs, ("fp16_dynamic_g5",)):
-    print(line)
+  text = report.format_main_skip_report(result, "fp16_dynamic_g5")
+  if text is not None:
+    print()
+    print(text)
+  conclusion = report.format_conclusion(result)
+  if conclusion is not None:
+    print()
+    print(conclusion)
 
 
 def save(result: Result, args: argparse.Namespace, seconds: float) -> None:

@@ -5,6 +5,7 @@ RESULTS.md and compared line by line with an earlier one."""
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 
@@ -49,25 +50,56 @@ def format_replicas_note(config: Config) -> str | None:
   )
 
 
+def format_runs(result: StudyResult) -> str:
+  """The runs by name, in words, for a reader who meets them first."""
+  words = []
+  for name, r in result.runs.items():
+    if r.spec.dtype == "float32":
+      what = "float32, the reference"
+    elif not r.spec.scaled:
+      what = "float16, no loss scale"
+    else:
+      what = f"float16, {describe_scaling(r)}"
+    words.append(f"  {name:<{max(map(len, result.runs)) + 2}}{what}")
+  return "\n".join(["Runs (same seed, initial weights and batches):", *words])
+
+
+TABLE_LEGEND = (
+  "eval loss: held-out cross-entropy, nats per character (lower is better);"
+  " vs fp32:\nthe difference from float32; act/param flushed %: gradients"
+  " that float16 rounds\nto zero, mean of the checkpoints below."
+)
+
+STEP_NUMBERING = "Steps are numbered from 0, as ols.skip_report numbers them."
+
+
+def _scale(r: RunResult) -> str:
+  """The final scale as ``2**k``, or "-" for a run without one."""
+  return pow2(r.final_scale) if r.spec.scaled else "-"
+
+
+def _flushed(share: float, digits: int) -> str:
+  return "-" if np.isnan(share) else f"{100 * share:.{digits}f}"
+
+
 def format_table(result: StudyResult) -> str:
-  """Per run: held-out loss, against float32, accuracy, flushed shares,
-  skipped steps, final scale."""
+  """Per run: held-out loss, against float32, accuracy, the shares of
+  activation and parameter gradients flushed to zero (activation first,
+  here and below), skipped steps, final scale."""
   ref = result.runs.get("fp32")
+  width = max(len("run"), *map(len, result.runs)) + 2
   lines = [
-    f"{'run':<14}{'eval loss':>10}{'vs fp32':>9}{'acc %':>7}"
-    f"{'flushed % (param / act)':>25}{'skipped':>9}{'final scale':>13}",
+    f"{'run':<{width}}{'eval loss':>10}{'vs fp32':>9}{'acc %':>7}"
+    f"{'act flushed %':>15}{'param flushed %':>17}{'skipped':>9}"
+    f"{'final scale':>13}",
   ]
   for name, r in result.runs.items():
     vs = r.eval_loss - ref.eval_loss if ref else float("nan")
-    flushed = (
-      "-"
-      if np.isnan(r.flushed_mean)
-      else f"{100 * r.flushed_mean:.3f} / {100 * r.act_flushed_mean:.2f}"
-    )
     lines.append(
-      f"{name:<14}{r.eval_loss:>10.4f}{vs:>+9.4f}"
-      f"{100 * r.eval_acc:>7.2f}{flushed:>25}{r.skipped_total:>9d}"
-      f"{r.final_scale:>13g}"
+      f"{name:<{width}}{r.eval_loss:>10.4f}{vs:>+9.4f}"
+      f"{100 * r.eval_acc:>7.2f}{_flushed(r.act_flushed_mean, 2):>15}"
+      f"{_flushed(r.flushed_mean, 3):>17}{r.skipped_total:>9d}"
+      f"{_scale(r):>13}"
     )
   return "\n".join(lines)
 
@@ -85,40 +117,116 @@ def describe_scaling(r: RunResult) -> str:
 
 
 def format_trajectory(r: RunResult) -> str:
-  """The scale after a few steps, early ones densely: ``step:2**k``."""
+  """The scale after a few steps, early ones densely: ``step:2**k``
+  (steps from 0)."""
   n = len(r.scale)
   at = sorted({0, 1, 2, 4, 8, n // 4, n // 2, 3 * n // 4, n - 1})
-  return ", ".join(f"{i + 1}:{pow2(r.scale[i])}" for i in at if i < n)
+  return ", ".join(f"{i}:{pow2(r.scale[i])}" for i in at if i < n)
+
+
+def _plural(count: int, word: str) -> str:
+  return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _actions(r: RunResult) -> str:
+  """``7 growths, 2 backoffs, 2 skipped steps``."""
+  return (
+    f"{_plural(r.growths, 'growth')}, {_plural(r.backoffs, 'backoff')},"
+    f" {_plural(r.skipped_total, 'skipped step')}"
+  )
+
+
+def _change_lines(r: RunResult, indent: str) -> list[str]:
+  """Every change of the scale, ``step: 2**k``, a backoff marked, a few to
+  a line."""
+  before = np.concatenate([[r.initial_scale], r.scale[:-1]])
+  changes = [
+    f"{i}: {pow2(r.scale[i])}" + (" (skipped)" if r.skipped[i] else "")
+    for i in np.nonzero(r.scale != before)[0]
+  ]
+  if not changes:
+    return [f"{indent}never changed"]
+  per_line = 4
+  return [
+    indent + ", ".join(changes[k : k + per_line])
+    for k in range(0, len(changes), per_line)
+  ]
+
+
+def _flush_cell(checkpoint: dict[str, float]) -> str:
+  """``38.18 / 0.017``: activation, then parameter gradients flushed, %."""
+  act, param = checkpoint["act_flushed"], checkpoint["flushed"]
+  return f"{100 * act:.2f} / {100 * param:.3f}"
 
 
 def format_scales(result: StudyResult) -> str:
-  """What each scaled run's scale did, and the flushed shares of the
-  float16 runs at each checkpoint."""
+  """What each scaled run's scale did (every change, and the growths,
+  backoffs and skipped steps), then the flushed shares of the float16 runs
+  at each checkpoint, activation then parameter gradients."""
+  scaled = {n: r for n, r in result.runs.items() if r.spec.scaled}
   lines = []
-  for name, r in result.runs.items():
-    if not r.spec.scaled:
-      continue
-    lines.append(
-      f"{name} ({describe_scaling(r)}): scale after step {format_trajectory(r)}"
-    )
-    lines.append(
-      f"  backoffs {r.backoffs}, growths {r.growths},"
-      f" skipped steps {r.skipped_total}"
-    )
-  lines.append(
-    "flushed % of activation (param) gradients per checkpoint,"
-    " fp16 / static / dynamic / dynamic_g5:"
-  )
-  f16 = [r for r in result.runs.values() if r.spec.dtype == "float16"]
+  if scaled:
+    width = max(map(len, scaled)) + 2
+    indent = " " * (width + 2)
+    lines.append('What the scale did (each change written "step: new scale"):')
+    for name, r in scaled.items():
+      quiet = r.growths == r.backoffs == r.skipped_total == 0
+      if quiet:
+        lines.append(f"  {name:<{width}}{describe_scaling(r)}")
+        lines.append(f"{indent}never changed, no step skipped")
+        continue
+      lines.append(f"  {name:<{width}}{describe_scaling(r)}")
+      lines.append(f"{indent}{_actions(r)}:")
+      lines += _change_lines(r, indent=indent)
+  f16 = {n: r for n, r in result.runs.items() if r.spec.dtype == "float16"}
   if f16:
-    for i, f in enumerate(f16[0].flush):
-      vals = " / ".join(
-        f"{100 * r.flush[i]['act_flushed']:.2f}"
-        f" ({100 * r.flush[i]['flushed']:.3f})"
-        for r in f16
-      )
-      lines.append(f"  step {f['step']}: {vals}")
+    width = max(map(len, f16)) + 2
+    checkpoints = [f["step"] for f in next(iter(f16.values())).flush]
+    column = 20
+    if lines:
+      lines.append("")
+    lines.append(
+      "Gradients flushed to zero in float16 (activation % / parameter %),"
+      " on one batch:"
+    )
+    lines.append(
+      " " * (width + 2)
+      + "".join(f"{f'after {s} steps':>{column}}" for s in checkpoints)
+    )
+    for name, r in f16.items():
+      cells = "".join(f"{_flush_cell(f):>{column}}" for f in r.flush)
+      lines.append(f"  {name:<{width}}{cells}")
   return "\n".join(lines)
+
+
+def format_conclusion(result: StudyResult) -> str | None:
+  """The result in one sentence: float16 with dynamic scaling at the
+  defaults against float32, and what plain float16 did. None when the
+  runs it compares are not there."""
+  runs = result.runs
+  if not {"fp32", "fp16", "fp16_dynamic"} <= runs.keys():
+    return None
+  ref, plain, dyn = runs["fp32"], runs["fp16"], runs["fp16_dynamic"]
+  steps = len(ref.loss)
+
+  def gap(r: RunResult) -> str:
+    d = r.eval_loss - ref.eval_loss
+    side = "behind" if d > 0 else "ahead of"
+    return f"{abs(d):.4f} {side} float32"
+
+  dyn_skips = (
+    "no skipped step"
+    if dyn.skipped_total == 0
+    else _plural(dyn.skipped_total, "skipped step")
+  )
+  text = (
+    f"Result after {steps} steps: float16 with dynamic loss scaling (the"
+    f" defaults) ends {gap(dyn)} ({dyn.eval_loss:.4f} against"
+    f" {ref.eval_loss:.4f}), with {dyn_skips}; plain float16 ends"
+    f" {gap(plain)}, with {100 * plain.act_flushed_mean:.0f}% of its"
+    " activation gradients flushed to zero."
+  )
+  return textwrap.fill(text, width=79)
 
 
 def _grid_lines(result: SweepResult) -> list[str]:
@@ -269,6 +377,21 @@ def format_bad_batches(result: BadBatchResult) -> str:
     )
   lines += skip_report_lines(result.runs)
   return "\n".join(lines)
+
+
+def format_main_skip_report(result: StudyResult, name: str) -> str | None:
+  """The main job's ``ols.skip_report`` of one run, introduced for a reader
+  who meets it first: the library's text as it prints it, which writes
+  scales out in full."""
+  r = result.runs.get(name)
+  if r is None or r.skip_report is None:
+    return None
+  scale = r.final_scale
+  intro = (
+    f"What ols.skip_report(opt_state, tx) prints for {name} at the end"
+    f" (it writes scales in full: {pow2(scale)} = {scale:.0f}):"
+  )
+  return "\n".join([textwrap.fill(intro, 79), *_indented(r.skip_report)])
 
 
 def skip_report_lines(
