@@ -56,10 +56,6 @@ NOT_RUN = {
   ),
 }
 
-# Pages being rewritten elsewhere: their comparison may fail until then.
-REWRITTEN = {
-  "docs/float16_goes_wrong.md": "rewritten on branch gemma",
-}
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
@@ -220,16 +216,7 @@ def _looks_like_output(block, previous) -> bool:
 
 @pytest.mark.parametrize(
   "path",
-  [
-    pytest.param(
-      p,
-      marks=pytest.mark.xfail(reason=REWRITTEN[page_id(p)], strict=False),
-      id=page_id(p),
-    )
-    if page_id(p) in REWRITTEN
-    else pytest.param(p, id=page_id(p))
-    for p in [*PAGES, *INCLUDED]
-  ],
+  [pytest.param(p, id=page_id(p)) for p in [*PAGES, *INCLUDED]],
 )
 def test_printed_output_matches(path, request):
   skip, reason = SKIPS.get(page_id(path), (False, ""))

@@ -278,7 +278,7 @@ def test_keras_rule_halves_the_scale_on_each_corrupted_batch(bad_batches):
   assert r.skip_stats["nan_steps"] == n
   text = _words(r.skip_report)
   assert f"the loss itself was not finite in {n} of {n}" in text
-  assert "scale 32768 -> 16384" in text
+  assert "scale 2**15 -> 2**14" in text
 
 
 def test_held_scale_ignores_corrupted_batches(bad_batches):
@@ -292,7 +292,7 @@ def test_held_scale_ignores_corrupted_batches(bad_batches):
   text = _words(r.skip_report)
   assert f"the loss itself was not finite in {n} of {n}" in text
   assert "the scale was left as it was" in text
-  assert "scale 32768 -> 32768" in text
+  assert "scale 2**15 -> 2**15" in text
 
 
 def test_bad_batch_job_prints_reads_back_and_draws(bad_batches, tmp_path):
