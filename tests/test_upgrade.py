@@ -189,3 +189,10 @@ def test_a_tree_without_a_loss_scale_state_is_refused():
     ols.upgrade_state({"w": jnp.zeros(3)})
   with pytest.raises(ValueError, match="holds no LossScaleState"):
     ols.upgrade_state(_restored("msgpack"), like={"w": jnp.zeros(3)})
+
+
+def test_a_read_out_of_an_unconverted_pickle_names_upgrade_state():
+  with open(V010 / "checkpoint.pkl", "rb") as f:
+    old = pickle.load(f)
+  with pytest.raises(ValueError, match="upgrade_state"):
+    ols.loss_scale(old)

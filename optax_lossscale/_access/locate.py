@@ -56,6 +56,19 @@ def field(node: Node, name: str) -> Any:
   return node.get(name)
 
 
+def _holds_an_old_release_state(opt_state: Any) -> bool:
+  # The types `optax_lossscale._state` keeps for 0.1.0's pickles, told by
+  # their module so that this floor does not import them.
+  leaves = jax.tree_util.tree_leaves(
+    opt_state, is_leaf=lambda x: _is_old_release_state(x)
+  )
+  return any(_is_old_release_state(x) for x in leaves)
+
+
+def _is_old_release_state(x: Any) -> bool:
+  return type(x).__module__ == "optax_lossscale._state"
+
+
 def find_node(opt_state: Any) -> Node:
   """The one loss-scale node in `opt_state`."""
   found = [
@@ -65,6 +78,13 @@ def find_node(opt_state: Any) -> Node:
     )[0]
     if is_node(leaf)
   ]
+  if not found and _holds_an_old_release_state(opt_state):
+    raise ValueError(
+      "The optimizer state holds the loss-scale state of an earlier"
+      " release (optax_lossscale 0.1.0, from a pickle, say): pass it"
+      " through `optax_lossscale.upgrade_state` first, which returns"
+      " today's state with the new fields filled."
+    )
   if not found:
     raise ValueError(
       "No loss-scale state found in the given optimizer state (of type"
