@@ -12,6 +12,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
@@ -401,6 +402,7 @@ def test_nan_in_a_large_leaf_never_reaches_adam():
   assert np.isfinite(np.asarray(new_state.inner_state[0].mu["w"])).all()
 
 
+@pytest.mark.filterwarnings("ignore:float16 master weights")
 def test_overflow_when_unscaling_below_one_is_caught():
   """A finite float16 gradient divided by a scale below 1 can overflow in
   float16; the verdict is taken on the values passed on."""
