@@ -266,24 +266,22 @@ def _agreed_outcome(
   loss_finite = (
     jnp.ones([], jnp.bool_) if value is None else _finite.check(value).finite
   )
-  leaf_codes = verdict.leaf_codes
+  leaf_notfinite = verdict.leaf_notfinite
   if config.axis_name is not None:
-    # One vector crosses the replicas; without an axis, nothing to pack.
+    # One vector crosses the replicas; without an axis, nothing to pack
+    # (nor to slice back into a scalar per leaf, which compiles slowly).
     codes = [
       verdict.code[None],
       _finite.code_of(loss_finite, jnp.zeros([], jnp.bool_))[None],
     ]
-    if leaf_codes is not None:
-      codes.append(leaf_codes)
+    if leaf_notfinite is not None:
+      codes.append(jnp.stack(leaf_notfinite).astype(_finite.CODE_DTYPE))
     agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
     grads_finite = agreed[0] == _finite.FINITE
     grads_nan = agreed[0] == _finite.NAN
     loss_finite = agreed[1] == _finite.FINITE
-    if leaf_codes is not None:
-      leaf_codes = agreed[2:]
-  leaf_notfinite = None
-  if leaf_codes is not None:
-    leaf_notfinite = list(leaf_codes != _finite.FINITE)
+    if leaf_notfinite is not None:
+      leaf_notfinite = list(agreed[2:] != _finite.FINITE)
   return _rule.Outcome(
     grads_finite=grads_finite,
     grads_nan=grads_nan,
