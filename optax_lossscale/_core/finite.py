@@ -418,10 +418,9 @@ def _balanced_max(values: list[jax.Array]) -> jax.Array:
 
   Not a chain: XLA's simplifier moves the transposes of matmul gradients
   through the maxima one level per iteration of its fixed point, so a chain
-  over a group of 48 weight gradients ran it to its limit (25 iterations
-  over the whole training step, twice: a third of the step's compile
-  time); a tree's depth is the logarithm of the group's size
-  (benchmarks/README.md).
+  over a group of weight gradients ran it to its iteration limit, twice
+  (benchmarks/README.md); a tree's depth is the logarithm of the group's
+  size.
   """
   while len(values) > 1:
     # An odd one out waits for the next level.
@@ -447,8 +446,9 @@ def _and_or(
   return a[0] & b[0], a[1] | b[1]
 
 
-# Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU
-# materialized it (a gradient-sized temporary); groups of this size fuse.
+# Leaves per concatenation: one concatenation of many leaves XLA on GPU
+# materialized (a gradient-sized temporary); groups of this size fuse
+# (benchmarks/README.md).
 _LEAVES_PER_CONCATENATION = 64
 
 
