@@ -139,7 +139,7 @@ def break_the_rewrite(monkeypatch, error):
 
 
 def force_the_accelerator_check(monkeypatch):
-  """Makes the finiteness check take the form that GPU and TPU run (on CPU
-  it lowers to its CPU form)."""
+  """Makes the finiteness check of a tree take the form that GPU and TPU
+  run (on CPU it lowers to its CPU form); the per-leaf form is one
+  everywhere."""
   monkeypatch.setattr(_finite, "_on_cpu", _finite._concatenated)
-  monkeypatch.setattr(_finite, "_per_leaf_on_cpu", _finite._per_leaf_elsewhere)

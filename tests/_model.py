@@ -57,7 +57,10 @@ def step(
   """
   s = ModelState(**dataclasses.asdict(state))
   if config.backoff_on_nonfinite_loss:
-    applied, blamed = finite, not finite
+    # A non-finite loss skips the step whatever the gradients, and backs
+    # the scale off as an overflow does.
+    applied = finite and loss_finite
+    blamed = not applied
   else:
     applied = finite and loss_finite
     blamed = not finite and loss_finite

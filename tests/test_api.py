@@ -12,6 +12,10 @@ from _helpers import train_step
 
 import optax_lossscale as ols
 
+# The contract holds for every float dtype of parameters, float16 ones
+# included, which `init` warns of (tests/test_hostile.py checks the warning).
+pytestmark = pytest.mark.filterwarnings("ignore:float16 master weights")
+
 PARAMS = {
   "w": jnp.ones((3, 2)),
   "h": jnp.ones(4, jnp.float16),
@@ -258,3 +262,42 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
   assert len(commands) == 2
   assert "notebooks/fp16_study.py" in commands[0]
   assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_two_constructors_share_one_signature_and_one_args_text():
+  """`unscale_and_check` and `loss_scale_optimizer` take the same eleven
+  configuration parameters (names, kinds, defaults, annotations), and
+  their docstrings document them with one text."""
+  shared = inspect.signature(ols.unscale_and_check, eval_str=True).parameters
+  wrapped = inspect.signature(
+    ols.loss_scale_optimizer, eval_str=True
+  ).parameters
+  assert list(wrapped) == ["inner", *shared]
+  for name, parameter in shared.items():
+    other = wrapped[name]
+    assert (parameter.kind, parameter.default) == (other.kind, other.default)
+    assert parameter.annotation == other.annotation, name
+  assert list(shared) == [
+    "dynamic",
+    "initial_scale",
+    "dynamic_growth_steps",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "axis_name",
+    "leaf_stats",
+    "backoff_on_nonfinite_loss",
+  ]
+
+  def args_text(fn):
+    doc = inspect.getdoc(fn)
+    section = doc.split("Args:\n", 1)[1].split("\n\n", 1)[0]
+    start = section.index("  dynamic:")
+    return section[start:]
+
+  assert args_text(ols.unscale_and_check) == args_text(ols.loss_scale_optimizer)
+  for name in shared:
+    assert f"  {name}: " in args_text(ols.unscale_and_check), name
+  assert "{shared_args}" not in inspect.getdoc(ols.unscale_and_check)

@@ -14,6 +14,9 @@ from _helpers import assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# PARAMS hold a float16 leaf on purpose (a model's float16 buffers).
+pytestmark = pytest.mark.filterwarnings("ignore:float16 master weights")
+
 import optax_lossscale as ols
 
 PARAMS = {
@@ -81,12 +84,15 @@ def test_without_value_nothing_changes():
   assert_trees_equal(with_value, without)
 
 
-def test_a_nonfinite_loss_with_finite_gradients_is_applied_by_default():
-  """Keras looks at the gradients only: so do the defaults."""
+def test_a_nonfinite_loss_with_finite_gradients_is_skipped_by_default():
+  """With `value` given, a non-finite loss skips the step whatever the
+  gradients; under the defaults the scale backs off as for an overflow."""
   _, params, state = run([(None, None, np.nan)])
-  assert bool(ols.skip_stats(state).last_finite)
-  assert int(ols.skip_stats(state).nonfinite_loss_steps) == 0  # not skipped
-  assert not np.array_equal(params["head"], PARAMS["head"])
+  assert not bool(ols.skip_stats(state).last_finite)
+  assert int(ols.skip_stats(state).nonfinite_loss_steps) == 1
+  assert int(ols.skip_stats(state).total_skipped) == 1
+  assert_trees_equal(params, PARAMS)
+  assert float(ols.loss_scale(state)) == 2.0**14
 
 
 # --- no collapse ---

@@ -1,9 +1,13 @@
 """The finiteness check, equal to the element-wise definition ("every
 element of every unscaled leaf is finite") for every dtype, special value and
-scale, in both formulations of leaves that live on one device: large leaves
-of one shape read together and small leaves concatenated (CPU), and one
-reduction over groups of concatenated leaves (GPU and TPU). The forms for
-leaves sharded over a mesh are tested in tests/test_sharding.py."""
+scale, in each form of leaves that live on one device: the accelerators'
+(one reduction over groups of concatenated leaves), run here directly and
+lowered for GPU; CPU's (large leaves of one shape read together, small
+leaves concatenated), which the suite runs by default; and the per-leaf form
+of `leaf_stats`, the same everywhere. What is checked of their programs is
+structural: one pass over the gradients, no copy of them, no run-time
+branch. The forms for leaves sharded over a mesh are tested in
+tests/test_sharding.py."""
 
 import functools
 
@@ -12,6 +16,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
@@ -72,8 +77,8 @@ def test_all_finite_matches_the_elementwise_definition(tree):
   assert bool(jax.jit(ols.all_finite)(tree)) == elementwise_finite(tree)
   verdict = _check_per_leaf(tree)
   assert int(verdict.code) == elementwise_code(tree)
-  assert [int(c) for c in verdict.leaf_codes] == [
-    elementwise_code(x) for x in jax.tree.leaves(tree)
+  assert [bool(c) for c in verdict.leaf_notfinite] == [
+    not elementwise_finite(x) for x in jax.tree.leaves(tree)
   ]
 
 
@@ -135,9 +140,34 @@ _one_pass = jax.jit(lambda leaves: _finite.code_of(*_finite._one_pass(leaves)))
 @given(same_shape_leaves())
 def test_leaves_read_together_match_the_elementwise_definition(leaves):
   """The CPU form: the largest magnitude over a group of leaves of one
-  shape, read as integers and compared with inf's, in one two-operand
-  reduction."""
+  shape, read as integers and compared with inf's, in one reduction; and
+  the per-leaf form, which reads such a group in one reduction too."""
   assert int(_one_pass(leaves)) == elementwise_code(leaves)
+  verdict = _check_per_leaf(leaves)
+  assert int(verdict.code) == elementwise_code(leaves)
+  assert [bool(c) for c in verdict.leaf_notfinite] == [
+    not elementwise_finite(x) for x in leaves
+  ]
+
+
+def test_every_leaf_of_every_per_leaf_group_counts():
+  """The per-leaf form reads leaves of one shape together, in groups; a
+  non-finite value in any leaf of any group is that leaf's alone."""
+  per = _finite._LEAVES_PER_REDUCTION
+  count = 2 * per + 3
+  tree = [jnp.ones(5)] * count + [jnp.ones((2, 3), jnp.float16)] * 3
+  verdict = _check_per_leaf(tree)
+  assert bool(verdict.finite) and not any(map(bool, verdict.leaf_notfinite))
+  for bad in sorted({0, per - 1, per, count - 1, count, count + 2}):
+    for special in (np.nan, np.inf, -np.inf):
+      broken = list(tree)
+      broken[bad] = (
+        tree[bad].ravel().at[-1].set(special).reshape(tree[bad].shape)
+      )
+      verdict = _check_per_leaf(broken)
+      notfinite = [bool(c) for c in verdict.leaf_notfinite]
+      assert notfinite == [i == bad for i in range(len(tree))], (bad, special)
+      assert bool(verdict.nan) == np.isnan(special)
 
 
 def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
@@ -162,51 +192,65 @@ def test_every_group_of_large_leaves_of_one_shape_counts_on_cpu():
         assert not bool(check(broken)), (size, count, bad, special)
 
 
-def _lowered_ops(platform: str):
+def _lowered_ops(platform: str, per_leaf: bool = False):
   # Twenty float32 leaves of one shape and one of another, large enough not
-  # to be concatenated on CPU, and a small float16 leaf.
+  # to be concatenated on CPU, and a small float16 leaf (but larger than
+  # the number of leaves, see `_gradient_elements_read`).
   tree = {
     "a": [jnp.ones(4096)] * 20,
     "b": jnp.ones((64, 64)),
-    "c": jnp.ones(3, jnp.float16),
+    "c": jnp.ones(100, jnp.float16),
   }
-  exported = export.export(jax.jit(ols.all_finite), platforms=[platform])
+  check = jax.jit(lambda tree: _finite.check(tree, per_leaf).code)
+  exported = export.export(check, platforms=[platform])
   return tree, _hlo.mlir_ops(exported(tree).mlir_module())
 
 
-def test_the_formulation_is_chosen_when_lowering_for_a_platform():
-  """No run-time branch: each lowering holds one formulation. Lowering for
-  CPU reads the large leaves where they are, one two-operand reduction per
-  group (the twenty leaves of one shape, the other shape, the small leaf),
-  and concatenates no float data; lowering for GPU concatenates each
-  dtype's leaves and reduces each concatenation once, by the largest
-  magnitude read as integers."""
-  tree, cpu = _lowered_ops("cpu")
-  variadic = [op for op in cpu if op.name == "reduce" and op.results == 2]
-  assert len(variadic) == 3
-  assert not [op for op in cpu if op.name == "is_finite"]
-  concatenated = [op.tensors[-1] for op in cpu if op.name == "concatenate"]
-  assert all(dtype == "i1" for dtype, _ in concatenated), concatenated
+def _float_elements(tree):
+  return sum(
+    x.size
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(x.dtype, jnp.floating)
+  )
 
-  _, cuda = _lowered_ops("cuda")
-  assert not [op for op in cuda if op.name == "reduce" and op.results > 1]
-  magnitudes = [
-    op
-    for op in cuda
-    if op.name == "reduce" and any(t.startswith("ui") for t, _ in op.tensors)
-  ]
-  assert len(magnitudes) == 2  # one per dtype
-  f32_elements = sum(
-    x.size for x in jax.tree.leaves(tree) if x.dtype == jnp.float32
-  )
-  largest_f32 = max(
-    np.prod(dims, dtype=int)
-    for op in cuda
-    if op.name == "concatenate"
-    for dtype, dims in op.tensors[-1:]
-    if dtype == "f32"
-  )
-  assert largest_f32 == f32_elements  # a and b, raveled, end to end
+
+def _gradient_elements_read(ops, leaves):
+  """The elements that the reductions over gradients read: the inputs of
+  every reduction larger than the combination of the leaves' verdicts (a
+  vector of at most one flag per leaf). Boolean inputs come in pairs (is
+  every element finite, is any NaN) of one array's elements."""
+  read = 0
+  for op in ops:
+    if op.name != "reduce":
+      continue
+    inputs = op.tensors[: (len(op.tensors) - op.results) // 2]
+    sizes = [int(np.prod(dims, dtype=int)) for _, dims in inputs]
+    if all(dtype == "i1" for dtype, _ in inputs):
+      sizes = sizes[::2]
+    read += sum(size for size in sizes if size > leaves)
+  return read
+
+
+@pytest.mark.parametrize("per_leaf", [False, True])
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_each_lowering_holds_one_form_that_reads_each_element_once(
+  platform, per_leaf
+):
+  """The form is chosen when lowering for a platform. Whatever the form,
+  the reductions together read no gradient element
+  twice (one pass), and on CPU no float data is concatenated (a copy of
+  the gradients there)."""
+  tree, ops = _lowered_ops(platform, per_leaf)
+  read = _gradient_elements_read(ops, len(jax.tree.leaves(tree)))
+  if per_leaf or platform != "cpu":
+    assert read == _float_elements(tree)
+  else:  # a group's element-wise maximum is reduced, once
+    assert read <= _float_elements(tree)
+  if platform == "cpu":
+    concatenated = [op.tensors[-1] for op in ops if op.name == "concatenate"]
+    assert all(dtype in ("i1", "i8", "i32") for dtype, _ in concatenated), (
+      concatenated
+    )
 
 
 SCALES = (2.0**-20, 0.3, 0.5, 1.0, 3.0, 2.0**15, 2.0**127)
@@ -326,50 +370,30 @@ def test_many_small_leaves_are_checked_together_on_cpu():
   assert opcodes["reduce"] >= 1 and opcodes["reduce-window"] == 0
 
 
-def _depth_of_maxima(jaxpr) -> int:
-  """The longest path of `max` equations in `jaxpr` (flat: the check's is)."""
-  depth: dict = {}
-  longest = 0
-  for eqn in jaxpr.eqns:
-    below = max(
-      (
-        depth.get(v, 0)
-        for v in eqn.invars
-        if not isinstance(v, jax.extend.core.Literal)
-      ),
-      default=0,
-    )
-    here = below + (eqn.primitive.name == "max")
-    for v in eqn.outvars:
-      depth[v] = here
-    longest = max(longest, here)
-  return longest
-
-
-def test_a_group_is_combined_by_a_balanced_tree_of_maxima():
-  """XLA's simplifier moves the transposes of matmul gradients through the
-  group's maxima one level per iteration of its fixed point: a chain over
-  48 weight gradients ran a training step's simplification to its limit,
-  twice. The tree's depth is the logarithm of the group's size."""
-  for leaves in (2, 3, 16, 33):
-    group = [jnp.ones(4096)] * leaves
-    jaxpr = jax.make_jaxpr(lambda g: _finite._one_pass(g))(group)
-    assert _depth_of_maxima(jaxpr.jaxpr) == int(np.ceil(np.log2(leaves)))
-
-
-def test_large_leaves_are_checked_in_one_pass_on_cpu():
+@pytest.mark.parametrize("per_leaf", [False, True])
+def test_large_leaves_are_checked_in_one_pass_without_a_copy(per_leaf):
   """No tree of reduce-windows and no byte-per-element temporary: the
-  compiled check of a large leaf, or of a group of leaves of one shape, is
-  one fused reduction."""
+  compiled check of a large leaf, of a group of leaves of one shape, or of
+  transposed matmul gradients, reads them where they are."""
+  a = jnp.ones((256, 300))
+  b = jnp.ones((300, 128))
+  check = jax.jit(
+    lambda tree, a, b: (
+      _finite.check({**tree, "t": [(a @ b).T, (b.T @ a.T)]}, per_leaf).code
+    )
+  )
   for tree in (
     {"w": jnp.ones((512, 512), jnp.float32)},
     {"g": [jnp.ones((256, 256), jnp.float16)] * 8},
   ):
-    compiled = jax.jit(ols.all_finite).lower(tree).compile()
+    compiled = check.lower(tree, a, b).compile()
     opcodes = _hlo.hlo_opcodes(compiled)
     assert opcodes["reduce"] >= 1 and opcodes["reduce-window"] == 0
+    assert opcodes["copy"] == 0 and opcodes["transpose"] == 0
     size = sum(x.size for x in jax.tree.leaves(tree))
-    assert compiled.memory_analysis().temp_size_in_bytes < size // 100
+    products = 2 * 128 * 256 * 4  # the two matmul outputs, in bytes
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < products + size // 100
 
 
 def test_large_leaves_without_an_exponent_mask_are_checked_alone():
@@ -401,6 +425,7 @@ def test_nan_in_a_large_leaf_never_reaches_adam():
   assert np.isfinite(np.asarray(new_state.inner_state[0].mu["w"])).all()
 
 
+@pytest.mark.filterwarnings("ignore:float16 master weights")
 def test_overflow_when_unscaling_below_one_is_caught():
   """A finite float16 gradient divided by a scale below 1 can overflow in
   float16; the verdict is taken on the values passed on."""

@@ -341,3 +341,114 @@ def test_foreign_state_error_points_to_a_page_that_has_the_recipe():
   assert "docs/composition.md, section Checkpoints" in str(info.value)
   page = pathlib.Path(__file__).resolve().parents[1] / "docs/composition.md"
   assert "\n## Checkpoints\n" in page.read_text()
+
+
+# --- a state and a transformation that disagree, and a bad `value` ---
+
+
+def _made_by(make, **kwargs):
+  if make == "unscale_and_check":
+    return ols.unscale_and_check(**kwargs)
+  return ols.loss_scale_optimizer(SGD, **kwargs)
+
+
+@pytest.mark.parametrize("make", ["loss_scale_optimizer", "unscale_and_check"])
+@pytest.mark.parametrize("state_dynamic", [True, False])
+def test_a_state_of_the_other_mode_is_refused_while_tracing(
+  make, state_dynamic
+):
+  """A static state under a dynamic transformation (or the reverse) is a
+  clear error naming both modes and what to do, raised while tracing."""
+  static = dict(dynamic=False, initial_scale=4.0)
+  made = _made_by(make, **({} if state_dynamic else static))
+  used = _made_by(make, **(static if state_dynamic else {}))
+  state = made.init(PARAMS)
+  with pytest.raises(ValueError, match=r"dynamic=") as raised:
+    jax.eval_shape(used.update, PARAMS, state, PARAMS)
+  message = str(raised.value)
+  assert "static" in message and "dynamic" in message
+  assert "set_loss_scale" in message
+
+
+@pytest.mark.parametrize("make", ["loss_scale_optimizer", "unscale_and_check"])
+@pytest.mark.parametrize("state_counts", [True, False])
+def test_switching_leaf_stats_during_a_run_is_refused(make, state_counts):
+  """Per-leaf counts that would not cover the run are refused, both ways,
+  while tracing, naming `leaf_stats` and both settings."""
+  made = _made_by(make, leaf_stats=state_counts)
+  used = _made_by(make, leaf_stats=not state_counts)
+  state = made.init(PARAMS)
+  with pytest.raises(ValueError, match="leaf_stats") as raised:
+    jax.eval_shape(used.update, PARAMS, state, PARAMS)
+  message = str(raised.value)
+  assert f"leaf_stats={state_counts}" in message
+  assert f"leaf_stats={not state_counts}" in message
+
+
+@pytest.mark.parametrize(
+  "value",
+  [
+    "nan",
+    jnp.ones(2),
+    jnp.ones((1,)),
+    [1.0],
+    1j,
+    jnp.ones((), jnp.complex64),
+    1,
+    jnp.ones((), jnp.int32),
+    True,
+    object(),
+  ],
+  ids=repr,
+)
+def test_a_value_that_is_not_a_real_float_scalar_is_refused(value):
+  tx = lso()
+  state = tx.init(PARAMS)
+  with pytest.raises(TypeError, match="`value`"):
+    tx.update(PARAMS, state, PARAMS, value=value)
+  # at trace time too, where the value is abstract
+  if hasattr(value, "shape"):
+    with pytest.raises(TypeError, match="`value`"):
+      jax.jit(tx.update)(PARAMS, state, PARAMS, value=value)
+
+
+@pytest.mark.parametrize(
+  "value", [1.0, np.float32(1.0), jnp.float16(1.0), jnp.ones([]), NAN]
+)
+def test_real_float_scalars_are_accepted_as_value(value):
+  tx = lso()
+  state = tx.init(PARAMS)
+  _, state = jax.jit(tx.update)(PARAMS, state, PARAMS, value=value)
+  assert bool(ols.skip_stats(state).last_finite) == (value == value)
+
+
+# --- float16 master weights ---
+
+
+@pytest.mark.parametrize("make", ["loss_scale_optimizer", "unscale_and_check"])
+def test_float16_params_warn_once_per_init_saying_how_to_silence_it(make):
+  tx = _made_by(make)
+  params = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  with pytest.warns(UserWarning, match="float16 master weights") as caught:
+    tx.init(params)
+  assert len(caught) == 1
+  message = str(caught[0].message)
+  assert "float32" in message and "filterwarnings" in message
+  assert caught[0].filename == __file__  # points at the caller's `init`
+  import warnings
+
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="float16 master weights")
+    tx.init(params)  # silenced as the message says
+
+
+@pytest.mark.parametrize(
+  "params",
+  [
+    {"a": jnp.ones(3), "b": jnp.ones(2, jnp.bfloat16)},
+    {"a": jnp.ones(3), "i": jnp.ones(2, jnp.int32)},
+    {"a": jax.ShapeDtypeStruct((3,), jnp.float32)},
+  ],
+)
+def test_other_params_do_not_warn(params):
+  lso().init(params)  # the suite turns warnings into errors

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _helpers import assert_trees_equal, jit_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,6 +41,8 @@ CONFIGS = {
   "static": dict(dynamic=False, initial_scale=2.0**5),
 }
 POISONS = (np.nan, np.inf, -np.inf)
+# Parameters of every float dtype, float16 included, which `init` warns of.
+pytestmark = pytest.mark.filterwarnings("ignore:float16 master weights")
 PARAMS = {
   "dense": {
     "w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3),

@@ -206,6 +206,7 @@ def test_huge_scale_divides_rather_than_multiplies_by_reciprocal():
   np.testing.assert_array_equal(updates["w"], [-1.0])
 
 
+@pytest.mark.filterwarnings("ignore:float16 master weights")
 @pytest.mark.parametrize("poison", [jnp.nan, jnp.inf, -jnp.inf])
 def test_skip_keeps_inner_state_bit_for_bit(poison):
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), initial_scale=4.0)
@@ -263,6 +264,7 @@ def test_unscale_and_check_alone_zeroes_nonfinite_steps():
 # --- a static scale below 1 (issue 22) ---
 
 
+@pytest.mark.filterwarnings("ignore:float16 master weights")
 def test_static_scale_below_one_runs_and_checks_the_unscaled_values():
   """Dividing by 0.5 doubles a gradient: a finite float16 one can overflow,
   so the check runs on the values passed on. `min_scale` and `max_scale`
@@ -288,3 +290,57 @@ def test_static_scale_below_one_runs_and_checks_the_unscaled_values():
     optax.sgd(1.0), dynamic=False, initial_scale=2.0**20, max_scale=2.0**16
   )
   assert wide.loss_scale_config.initial_scale == 2.0**20
+
+
+@pytest.mark.parametrize("loss", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("make", [ols.loss_scale_optimizer, None])
+def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_backs_off(
+  loss, make
+):
+  """With `value` given, a non-finite loss skips the step whatever the
+  gradients (a target whose logit is -inf has an inf loss and finite
+  gradients), and under the defaults backs the scale off as an overflow."""
+  if make is None:
+    tx = ols.unscale_and_check(initial_scale=8.0, dynamic_growth_steps=2)
+  else:
+    tx = make(optax.adam(1.0), initial_scale=8.0, dynamic_growth_steps=2)
+  params = {"w": jnp.zeros(2)}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  _, state = update(FINITE, state, params, value=jnp.float32(1.0))
+  updates, skipped = update(FINITE, state, params, value=jnp.float32(loss))
+  assert_trees_equal(updates, {"w": jnp.zeros(2)})
+  stats = ols.skip_stats(skipped)
+  assert not bool(stats.last_finite)
+  assert int(stats.total_skipped) == 1 and int(stats.skipped_in_a_row) == 1
+  assert int(stats.nonfinite_loss_steps) == 1 and int(stats.nan_steps) == 0
+  assert float(ols.loss_scale(skipped)) == 4.0
+  assert int(ols.dynamic_counter(skipped)) == 0
+  if make is not None:  # the inner state is kept, its count too
+    assert_trees_equal(skipped.inner_state, state.inner_state)
+
+
+def test_a_nonfinite_loss_held_leaves_scale_counter_and_hysteresis():
+  """With `backoff_on_nonfinite_loss=False` such a step is skipped and
+  counted, and the scale, its counter and the hysteresis count stay."""
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1.0),
+    initial_scale=8.0,
+    dynamic_growth_steps=3,
+    hysteresis=2,
+    backoff_on_nonfinite_loss=False,
+  )
+  params = {"w": jnp.zeros(2)}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  _, state = update(FINITE, state, params, value=jnp.float32(1.0))
+  _, state = update(NONFINITE, state, params, value=jnp.float32(1.0))
+  before = state.loss_scale_state
+  updates, state = update(FINITE, state, params, value=jnp.float32(np.inf))
+  after = state.loss_scale_state
+  assert_trees_equal(updates, {"w": jnp.zeros(2)})
+  assert not bool(after.last_finite)
+  assert int(after.total_skipped) == 2 and int(after.nonfinite_loss_steps) == 1
+  assert float(after.loss_scale) == float(before.loss_scale) == 8.0
+  assert int(after.counter) == int(before.counter) == 0
+  assert int(after.overflows_in_a_row) == int(before.overflows_in_a_row) == 1

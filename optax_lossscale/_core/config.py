@@ -4,7 +4,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 from jax import errors as jax_errors
@@ -28,7 +28,42 @@ AxisName: TypeAlias = str | int | tuple[str | int, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-  """The validated, static configuration of a loss scaler."""
+  """The validated, static configuration of a loss scaler, as
+  :func:`loss_scale_optimizer` and :func:`unscale_and_check` hold it
+  (``tx.loss_scale_config``): their arguments after validation, with the
+  defaults filled in and every float as the float32 the rule computes with.
+  Frozen and hashable.
+
+  Attributes:
+    dynamic: whether the scale adapts.
+    initial_scale: the scale before the first step (``2**15`` by default).
+    growth_steps: consecutive finite steps before the scale grows (the
+      ``dynamic_growth_steps`` argument; 2000 by default; not used when
+      static).
+    growth_factor: the multiplier on growth.
+    backoff_factor: the multiplier on backoff.
+    min_scale: the dynamic scale's floor.
+    max_scale: the dynamic scale's ceiling (float32 max by default).
+    hysteresis: non-finite steps in a row before the scale backs off.
+    axis_name: the ``pmap``/``shard_map`` axis (or axes) over which the
+      verdict is reduced, or ``None``.
+    leaf_stats: whether the state counts non-finite steps per gradient leaf.
+    backoff_on_nonfinite_loss: whether a non-finite loss backs the scale
+      off.
+
+  Examples:
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), max_scale=2**20)
+    >>> config = tx.loss_scale_config
+    >>> config.dynamic, config.initial_scale, config.growth_steps
+    (True, 32768.0, 2000)
+    >>> config.max_scale, config.hysteresis, config.leaf_stats
+    (1048576.0, 1, False)
+    >>> static = ols.unscale_and_check(dynamic=False, initial_scale=0.1)
+    >>> static.loss_scale_config.initial_scale  # 0.1 as a float32
+    0.10000000149011612
+  """
 
   dynamic: bool
   initial_scale: float
@@ -41,6 +76,61 @@ class LossScaleConfig:
   axis_name: AxisName
   leaf_stats: bool = False
   backoff_on_nonfinite_loss: bool = True
+
+
+# The Args text of the eleven parameters that `unscale_and_check` and
+# `loss_scale_optimizer` share, written once: `shares_the_args` puts it in
+# both docstrings, where they say `{shared_args}`.
+SHARED_ARGS = """\
+dynamic: whether the scale adapts (``True``) or stays fixed.
+initial_scale: the starting scale, a normal float32 (at least
+  ``2**-126``); ``2**15`` when dynamic, required when static.
+dynamic_growth_steps: consecutive finite steps before the scale grows
+  (default 2000); must be ``None`` when static.
+growth_factor: multiplier on growth, ``> 1``.
+backoff_factor: multiplier on backoff, in ``(0, 1)``.
+min_scale: the floor the dynamic scale never goes below (default 1);
+  not used when static.
+max_scale: the ceiling growth never exceeds (default: float32 max);
+  not used when static.
+hysteresis: non-finite steps in a row before the scale backs off
+  (any finite step refills the tolerance, as DeepSpeed's
+  ``consecutive_hysteresis=True``); every non-finite step is skipped
+  regardless.
+axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
+  which one boolean is reduced, so that every replica skips together.
+  Not needed under ``jit`` with shardings.
+leaf_stats: whether to count, per gradient leaf, the steps on which it
+  was not finite (read with :func:`nonfinite_leaves`). A state keeps the
+  choice it was made with: ``update`` refuses a state whose ``leaf_stats``
+  differs from the transformation's.
+backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
+  finite backs the scale off, as an overflow does (the default, as
+  Keras). Such a step is skipped and counted either way; with ``False``
+  the scale, its counter and hysteresis stay as they were: a bad batch
+  or a forward overflow is not the scale's fault, and lowering the scale
+  cannot help it."""
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def shares_the_args(fn: _Function) -> _Function:
+  """Writes `SHARED_ARGS` into `fn`'s docstring in place of the line that
+  says `{shared_args}`, at that line's indentation."""
+  doc = fn.__doc__ or ""
+  lines = []
+  for line in doc.splitlines():
+    if line.strip() != "{shared_args}":
+      lines.append(line)
+      continue
+    indent = line[: len(line) - len(line.lstrip())]
+    lines += [
+      indent + text if text else text for text in SHARED_ARGS.splitlines()
+    ]
+  if len(lines) == len(doc.splitlines()):
+    raise AssertionError(f"{fn.__name__}'s docstring has no {{shared_args}}")
+  fn.__doc__ = "\n".join(lines) + ("\n" if doc.endswith("\n") else "")
+  return fn
 
 
 def as_real_scalar(value: Any) -> float | None:

@@ -23,11 +23,15 @@ CODE_DTYPE = jnp.int32
 
 
 class Verdict(NamedTuple):
-  """The check of a tree, and the code of each leaf when asked for."""
+  """The check of a tree, and whether each leaf was not finite when asked
+  for."""
 
   finite: jax.Array  # bool[]: every element finite
   nan: jax.Array  # bool[]: some element NaN
-  leaf_codes: jax.Array | None  # int32[leaves], in `jax.tree.leaves` order
+  # One bool[] per leaf, in `jax.tree.leaves` order, each its own scalar:
+  # slicing one vector into a scalar per leaf made XLA compile a thousand
+  # leaves' counts slowly (benchmarks/README.md).
+  leaf_notfinite: list[jax.Array] | None
 
   @property
   def code(self) -> jax.Array:
@@ -74,8 +78,9 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def check(tree: Any, per_leaf: bool = False) -> Verdict:
-  """The code of `tree` (the worst of its leaves'), and with `per_leaf` the
-  code of each leaf (0 for leaves that cannot hold a non-finite value)."""
+  """The check of `tree` (the worst of its leaves), and with `per_leaf`
+  whether each leaf was not finite (False for leaves that cannot hold a
+  non-finite value)."""
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
   # Integer and boolean leaves are always finite; empty ones hold nothing.
   checked = [
@@ -83,9 +88,10 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
     for i, x in enumerate(leaves)
     if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
   ]
+  never = jnp.zeros([], jnp.bool_)
+  leaf_notfinite = [never] * len(leaves) if per_leaf else None
   if not checked:
-    codes = jnp.zeros([len(leaves)], CODE_DTYPE) if per_leaf else None
-    return Verdict(jnp.ones([], jnp.bool_), jnp.zeros([], jnp.bool_), codes)
+    return Verdict(jnp.ones([], jnp.bool_), never, leaf_notfinite)
   local, explicit, auto = _by_placement(checked, leaves)
   # On a mesh each leaf is checked where it lives, and only scalars cross
   # devices: combining leaves sharded differently (a concatenation, an
@@ -99,20 +105,18 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
     )
   for i in auto:
     finite, nan = _reduced_where_it_lives(leaves[i])
-    code = code_of(finite, nan)[None] if per_leaf else None
-    parts.append(([i], Verdict(finite, nan, code)))
+    parts.append(([i], Verdict(finite, nan, [~finite] if per_leaf else None)))
   # Booleans, not codes, are combined: XLA copies this small computation
   # into every select that reads the flag, so it is kept to one op a part.
   finite, nan = parts[0][1].finite, parts[0][1].nan
   for _, verdict in parts[1:]:
     finite, nan = finite & verdict.finite, nan | verdict.nan
-  if not per_leaf:
-    return Verdict(finite, nan, None)
-  leaf_codes = jnp.zeros([len(leaves)], CODE_DTYPE)
-  for indices, verdict in parts:
-    assert verdict.leaf_codes is not None
-    leaf_codes = leaf_codes.at[np.asarray(indices)].set(verdict.leaf_codes)
-  return Verdict(finite, nan, leaf_codes)
+  if leaf_notfinite is not None:
+    for indices, verdict in parts:
+      assert verdict.leaf_notfinite is not None
+      for i, notfinite in zip(indices, verdict.leaf_notfinite, strict=True):
+        leaf_notfinite[i] = notfinite
+  return Verdict(finite, nan, leaf_notfinite)
 
 
 def _code(value: int) -> jax.Array:
@@ -120,20 +124,19 @@ def _code(value: int) -> jax.Array:
 
 
 def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
-  """The check of leaves that live whole on one device (or are one shard)."""
-  # Two formulations of one exact check, chosen when the step is lowered
-  # (no branch at run time). On CPU (`_on_cpu`): large leaves of one shape
-  # read together, a few reductions in all, small leaves concatenated.
-  # Elsewhere (`_concatenated`): one reduction per group of leaves
-  # concatenated, which XLA fuses into one kernel per group, where one
-  # reduction per leaf costs two kernel launches per leaf. On CPU,
-  # concatenating large leaves is materialized. Per leaf, each leaf is
-  # reduced on its own.
+  """The check of leaves that live whole on one device (or are one shard).
+
+  Per leaf, one form everywhere (`_leaf_codes`). For the tree alone, the
+  accelerators' form (`_concatenated`: one reduction per group of leaves
+  concatenated, which XLA on GPU fuses into one kernel, where a reduction
+  per leaf costs two kernel launches each), and on CPU, where XLA
+  materializes a concatenation of large leaves, `_on_cpu`; the platform is
+  chosen when the step is lowered, with no branch at run time.
+  """
   if per_leaf:
-    codes = lax.platform_dependent(
-      *leaves, cpu=_per_leaf_on_cpu, default=_per_leaf_elsewhere
-    )
-    return Verdict(*_flags_of(codes), codes)
+    codes = _leaf_codes(leaves)
+    finite, nan = _flags_of(jnp.stack(codes))
+    return Verdict(finite, nan, [code != FINITE for code in codes])
   finite, nan = lax.platform_dependent(
     *leaves, cpu=_on_cpu, default=_concatenated
   )
@@ -188,14 +191,17 @@ def _check_on_mesh(
   axes = tuple(a for a in mesh.axis_names if a in sharded_on)
 
   def check_shards(*shards: jax.Array) -> jax.Array:
-    verdict = _check_here(list(shards), per_leaf)
     # A scalar crosses devices, or with `per_leaf` one vector of codes.
-    codes = verdict.code if verdict.leaf_codes is None else verdict.leaf_codes
+    if per_leaf:
+      codes = jnp.stack(_leaf_codes(list(shards))).astype(CODE_DTYPE)
+    else:
+      codes = _check_here(list(shards), per_leaf).code
     return lax.pmax(codes, axes) if axes else codes
 
   out_spec = jax.sharding.PartitionSpec()
   codes = _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
-  return Verdict(*_flags_of(codes), codes if per_leaf else None)
+  leaf_notfinite = list(codes != FINITE) if per_leaf else None
+  return Verdict(*_flags_of(codes), leaf_notfinite)
 
 
 def _reduced_where_it_lives(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -243,13 +249,74 @@ def _on_cpu(*leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _all_and_any(flags)
 
 
-def _per_leaf_on_cpu(*leaves: jax.Array) -> jax.Array:
-  """The code of each leaf, each in a reduction of its own."""
-  return jnp.stack([code_of(*_one_pass([x])) for x in leaves])
+def _leaf_codes(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+  """The code of each leaf, in order, each its own `int8[]` scalar.
+
+  Leaves of one shape and dtype are read together, up to
+  `_LEAVES_PER_REDUCTION` at a time, in one reduction with one operand per
+  leaf: the fewer reductions and operands, the faster XLA compiles a step
+  of many leaves, and no leaf is copied. Leaves without an exponent mask
+  (complex, float8) are checked alone.
+  """
+  codes: list[Any] = [None] * len(leaves)
+  by_kind: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    # By position, not `id(x)`: one array may be passed twice.
+    kind = (x.shape, x.dtype) if x.dtype in _MASKS else i
+    by_kind.setdefault(kind, []).append(i)
+  for same in by_kind.values():
+    for start in range(0, len(same), _LEAVES_PER_REDUCTION):
+      group = same[start : start + _LEAVES_PER_REDUCTION]
+      found = _read_together([leaves[i] for i in group])
+      for i, code in zip(group, found, strict=True):
+        codes[i] = code
+  return codes
 
 
-def _per_leaf_elsewhere(*leaves: jax.Array) -> jax.Array:
-  return jnp.stack([code_of(*_largest_magnitude(x)) for x in leaves])
+# Leaves per reduction in `_leaf_codes` (benchmarks/README.md).
+_LEAVES_PER_REDUCTION = 32
+_LEAF_CODE_DTYPE = jnp.int8
+
+
+def _read_together(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+  """The code of each of `leaves` (of one shape and dtype), in one
+  reduction: per leaf, the largest of its elements' codes."""
+  masks = _MASKS.get(leaves[0].dtype)
+  if masks is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
+    (leaf,) = leaves
+    return [code_of(*_flags_of_unmasked(leaf)).astype(_LEAF_CODE_DTYPE)]
+  if len(leaves) == 1:
+    # A reduction of one operand XLA on CPU hands to a library kernel that
+    # takes its input materialized (a byte per element); one of two
+    # booleans it keeps whole, as `_one_pass` says.
+    return [code_of(*_one_pass(leaves)).astype(_LEAF_CODE_DTYPE)]
+  magnitude, inf = masks
+  # Each element's code from its magnitude read as an integer (every NaN
+  # lies above inf): no conversion of float16, and no float max (XLA's
+  # vectorized float max on CPU drops NaNs in large arrays).
+  operands = []
+  for x in leaves:
+    bits = _magnitude_bits(x, magnitude)
+    operands.append(
+      lax.add(
+        lax.convert_element_type(lax.ge(bits, inf), _LEAF_CODE_DTYPE),
+        lax.convert_element_type(lax.gt(bits, inf), _LEAF_CODE_DTYPE),
+      )
+    )
+  zero = np.zeros([], _LEAF_CODE_DTYPE)
+  reduced = lax.reduce(
+    tuple(operands),
+    (zero,) * len(operands),
+    _pairwise_max,
+    tuple(range(leaves[0].ndim)),
+  )
+  return list(reduced)
+
+
+def _pairwise_max(
+  a: Sequence[jax.Array], b: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
+  return tuple(lax.max(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _all_and_any(
@@ -351,10 +418,9 @@ def _balanced_max(values: list[jax.Array]) -> jax.Array:
 
   Not a chain: XLA's simplifier moves the transposes of matmul gradients
   through the maxima one level per iteration of its fixed point, so a chain
-  over a group of 48 weight gradients ran it to its limit (25 iterations
-  over the whole training step, twice: a third of the step's compile
-  time); a tree's depth is the logarithm of the group's size
-  (benchmarks/README.md).
+  over a group of weight gradients ran it to its iteration limit, twice
+  (benchmarks/README.md); a tree's depth is the logarithm of the group's
+  size.
   """
   while len(values) > 1:
     # An odd one out waits for the next level.
@@ -380,8 +446,9 @@ def _and_or(
   return a[0] & b[0], a[1] | b[1]
 
 
-# Leaves per concatenation: at 1,000 leaves in one concatenation XLA on GPU
-# materialized it (a gradient-sized temporary); groups of this size fuse.
+# Leaves per concatenation: one concatenation of many leaves XLA on GPU
+# materialized (a gradient-sized temporary); groups of this size fuse
+# (benchmarks/README.md).
 _LEAVES_PER_CONCATENATION = 64
 
 

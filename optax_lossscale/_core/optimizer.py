@@ -85,6 +85,7 @@ def _refuse_nested_loss_scaling(inner_state: Any) -> None:
     )
 
 
+@_config.shares_the_args
 def loss_scale_optimizer(
   inner: Inner,
   dynamic: bool = True,
@@ -108,8 +109,10 @@ def loss_scale_optimizer(
   1. The gradients are divided by ``s`` as it was before this step, in the
      wider of each gradient's and its parameter's dtype (float32 master
      params get float32 unscaled gradients even from float16 ones).
-  2. ``finite``: every element of every unscaled leaf is finite (reduced
-     across ``axis_name`` when given, so that replicas decide together).
+  2. ``finite``: every element of every unscaled leaf is finite, and so is
+     the loss when it is given (``update(..., value=loss)``), whatever the
+     gradients (reduced across ``axis_name`` when given, so that replicas
+     decide together).
   3. Finite: the inner update is applied. If
      ``c + 1 >= dynamic_growth_steps``, ``s`` becomes ``s * growth_factor``
      when that is finite and ``<= max_scale`` (else it stays) and ``c = 0``;
@@ -121,9 +124,9 @@ def loss_scale_optimizer(
   5. Static (``dynamic=False``): ``s`` never changes, non-finite steps are
      still skipped; ``min_scale`` and ``max_scale`` are not used (nor
      compared with ``initial_scale``).
-  6. With ``backoff_on_nonfinite_loss=False``, a step whose loss is not
-     finite (``update(..., value=loss)``) is skipped, and ``s``, ``c`` and
-     the hysteresis count stay as they were.
+  6. A step whose loss is not finite is skipped and counted (step 4); with
+     ``backoff_on_nonfinite_loss=False`` it leaves ``s``, ``c`` and the
+     hysteresis count as they were.
 
   Every step is counted in the state: skipped steps in total and in a row,
   those with a NaN (not only inf) in the gradients, those with a non-finite
@@ -142,32 +145,7 @@ def loss_scale_optimizer(
     inner: the optax transformation to wrap (``optax.MultiSteps`` objects
       included). Put gradient clipping inside it, so that it sees unscaled,
       finite gradients.
-    dynamic: whether the scale adapts (``True``) or stays fixed.
-    initial_scale: the starting scale, a normal float32 (at least
-      ``2**-126``); ``2**15`` when dynamic, required when static.
-    dynamic_growth_steps: consecutive finite steps before the scale grows
-      (default 2000); must be ``None`` when static.
-    growth_factor: multiplier on growth, ``> 1``.
-    backoff_factor: multiplier on backoff, in ``(0, 1)``.
-    min_scale: the floor the dynamic scale never goes below (default 1);
-      not used when static.
-    max_scale: the ceiling growth never exceeds (default: float32 max);
-      not used when static.
-    hysteresis: non-finite steps in a row before the scale backs off
-      (any finite step refills the tolerance, as DeepSpeed's
-      ``consecutive_hysteresis=True``); every non-finite step is skipped
-      regardless.
-    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
-      which one boolean is reduced, so that every replica skips together.
-      Not needed under ``jit`` with shardings.
-    leaf_stats: whether to count, per gradient leaf, the steps on which it
-      was not finite (read with :func:`nonfinite_leaves`); it costs one
-      small reduction per leaf.
-    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
-      finite backs the scale off, as Keras does (the default). With
-      ``False`` such a step is skipped and the scale, its counter and
-      hysteresis stay as they were: a bad batch or a forward overflow is
-      not the scale's fault, and lowering the scale cannot help it.
+    {shared_args}
 
   Returns:
     A :class:`LossScaledTransformation`: an optax

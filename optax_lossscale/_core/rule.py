@@ -42,12 +42,13 @@ def outcome_of(finite: jax.typing.ArrayLike) -> Outcome:
   return Outcome(finite, jnp.zeros([], jnp.bool_), jnp.ones([], jnp.bool_))
 
 
-def applies(outcome: Outcome, config: LossScaleConfig) -> jax.Array:
-  """Whether the step is applied: its gradients are finite, and so is its
-  loss unless a non-finite loss backs off (then the gradients decide, as in
-  Keras)."""
-  if config.backoff_on_nonfinite_loss:
-    return outcome.grads_finite
+def applies(outcome: Outcome) -> jax.Array:
+  """Whether the step is applied: its gradients and its loss are finite.
+
+  A non-finite loss skips the step whatever the gradients (an inf loss can
+  come with finite gradients: a target whose logit is `-inf`); whether it
+  also backs the scale off is `config.backoff_on_nonfinite_loss`'s to
+  decide (`next_state`)."""
   return outcome.grads_finite & outcome.loss_finite
 
 
@@ -55,10 +56,11 @@ def next_state(
   state: LossScaleState, outcome: Outcome, config: LossScaleConfig
 ) -> LossScaleState:
   """The state after a step with this outcome."""
-  applied = applies(outcome, config)
+  applied = applies(outcome)
   skipped = ~applied
-  # The scale is to blame for a skip unless the loss itself was not finite
-  # and the configuration says that is not the scale's fault.
+  # The scale is to blame for a skip (it backs off, as on an overflow)
+  # unless the loss itself was not finite and the configuration says that
+  # is not the scale's fault.
   blamed = skipped
   if not config.backoff_on_nonfinite_loss:
     blamed = skipped & outcome.loss_finite

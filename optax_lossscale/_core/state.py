@@ -50,13 +50,14 @@ class LossScaleState(NamedTuple):
     skipped_in_a_row: skipped steps in a row.
     total_skipped: skipped steps in total.
     last_finite: whether the last step was applied (its gradients, and its
-      loss where that decides, were finite), ``bool[]``.
-    overflows_in_a_row: steps in a row skipped for their gradients, which
-      hysteresis counts before the scale backs off. A step skipped for a
-      non-finite loss under ``backoff_on_nonfinite_loss=False`` leaves it.
+      loss when ``value`` was given, were finite), ``bool[]``.
+    overflows_in_a_row: skipped steps in a row that the scale is blamed
+      for, which hysteresis counts before the scale backs off. A step
+      skipped for a non-finite loss under
+      ``backoff_on_nonfinite_loss=False`` leaves it.
     nan_steps: skipped steps whose gradients held a NaN (not only infs).
     nonfinite_loss_steps: skipped steps whose loss (``value``) was not
-      finite.
+      finite (every such step is skipped).
     steps: the steps seen, applied and skipped.
     recent_skips: the last skipped steps, a :class:`SkipEvents`.
     leaf_notfinite: with ``leaf_stats=True``, a tree shaped like the

@@ -1,6 +1,7 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from optax_lossscale._core.state import (
 from optax_lossscale._core.transformation import LossScaledTransformation
 
 
+@_config.shares_the_args
 def unscale_and_check(
   dynamic: bool = True,
   initial_scale: float | None = None,
@@ -42,11 +44,13 @@ def unscale_and_check(
   Each ``update`` divides the incoming (scaled) gradients by the scale in
   force *before* this step (in the wider of each gradient's and its
   parameter's dtype when ``params`` are given), decides whether every element
-  of every leaf is finite (reduced over ``axis_name`` when given), and moves
-  the scale by the rule of :func:`loss_scale_optimizer`. Its state is a
+  of every leaf is finite, and so is the loss when ``update`` is given
+  ``value=loss`` (reduced over ``axis_name`` when given), and moves the
+  scale by the rule of :func:`loss_scale_optimizer`. Its state is a
   :class:`LossScaleState`.
 
-  What it guarantees: nothing non-finite leaves it. On a non-finite step the
+  What it guarantees: nothing non-finite leaves it. On a non-finite step
+  (non-finite gradients, or a non-finite loss whatever the gradients) the
   returned updates are zeros (each in its own dtype), and the state records
   the step (``last_finite=False``, the skip counters advance).
 
@@ -57,34 +61,16 @@ def unscale_and_check(
   this transformation plus that skip.
 
   Args:
-    dynamic: whether the scale adapts (``True``) or stays fixed.
-    initial_scale: the starting scale, a normal float32 (at least
-      ``2**-126``); ``2**15`` when dynamic, required when static.
-    dynamic_growth_steps: consecutive finite steps before the scale grows
-      (default 2000); must be ``None`` when static.
-    growth_factor: multiplier on growth, ``> 1``.
-    backoff_factor: multiplier on backoff, in ``(0, 1)``.
-    min_scale: the floor the dynamic scale never goes below; not used when
-      static.
-    max_scale: the ceiling growth never exceeds (default: float32 max);
-      not used when static.
-    hysteresis: non-finite steps in a row before the scale backs off.
-    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
-      which the finite flag is reduced.
-    leaf_stats: whether to count, per gradient leaf, the steps on which it
-      was not finite (read with :func:`nonfinite_leaves`); it costs one
-      small reduction per leaf.
-    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
-      finite backs the scale off, as Keras does (the default). With
-      ``False`` such a step is skipped and the scale, its counter and
-      hysteresis stay as they were: a bad batch or a forward overflow is
-      not the scale's fault, and lowering the scale cannot help it.
+    {shared_args}
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs`.
+    A :class:`LossScaledTransformation` (an optax
+    ``GradientTransformationExtraArgs`` that also carries its configuration),
+    whose state is a :class:`LossScaleState`.
 
   Raises:
-    TypeError, ValueError: on bad configuration, naming the argument.
+    TypeError, ValueError: on bad configuration, naming the argument, the
+      value and what is accepted.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -136,9 +122,14 @@ def _unscale_and_check_from_config(
   )
 
 
+class Float16ParamsWarning(UserWarning):
+  """`init` was given float16 parameters (master weights)."""
+
+
 def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
   """The loss-scale state before the first step (with a count per leaf of
   the gradients, shaped like `params`, when `config.leaf_stats`)."""
+  _warn_of_float16_params(params)
   leaf_counts_like = None
   if config.leaf_stats:
     leaf_counts_like = params
@@ -146,6 +137,30 @@ def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
       leaf_counts_like = params.fast  # the gradients are the fast params'
   return init_loss_scale_state(
     config.initial_scale, config.dynamic, leaf_counts_like
+  )
+
+
+def _warn_of_float16_params(params: Any) -> None:
+  """Warns once per `init` where some parameter is float16: the inner
+  update then runs in float16, where an update smaller than half a float16
+  step of its parameter rounds away (a learning rate of 1e-4 times a
+  gradient of 1 leaves a weight of 1 as it was), and a large one becomes
+  inf. The loss scale protects the gradients, not the update."""
+  leaves = jax.tree.leaves(params)
+  named = [x for x in leaves if getattr(x, "dtype", None) == jnp.float16]
+  if not named:
+    return
+  warnings.warn(
+    f"float16 master weights: {len(named)} of {len(leaves)} parameters"
+    " given to `init` are float16, so the optimizer's update is computed"
+    " and applied in float16, where updates smaller than half a float16"
+    " step of the weight become zeros and large ones inf, whatever the loss"
+    " scale. Keep the parameters in float32 and cast them to float16"
+    " inside the loss (`jax.tree.map(lambda p: p.astype(jnp.float16),"
+    " params)`); to silence this warning, `warnings.filterwarnings("
+    '"ignore", message="float16 master weights")`.',
+    Float16ParamsWarning,
+    stacklevel=4,
   )
 
 
@@ -159,6 +174,9 @@ def unscale_check_adjust(
   """Returns (unscaled updates, whether the step applies, next loss-scale
   state). `value` is the step's unscaled loss, or None."""
   check_scalar_state(state)
+  _check_state_matches(state, config)
+  if value is not None:
+    _check_value(value)
   scale = state.loss_scale
   unscaled = unscale(updates, scale, params)
   if _config.scale_can_fall_below_one(config):
@@ -180,6 +198,64 @@ def unscale_check_adjust(
   return unscaled, applied, new_state._replace(last_finite=last_finite)
 
 
+def _check_state_matches(
+  state: LossScaleState, config: LossScaleConfig
+) -> None:
+  """Refuses, while tracing, a state made by a transformation configured
+  otherwise in what the state's structure holds: a static or dynamic scale
+  (the counter), and per-leaf counts (`leaf_stats`)."""
+  state_dynamic = state.counter is not None
+  if state_dynamic != config.dynamic:
+    made, given = _mode(state_dynamic), _mode(config.dynamic)
+    raise ValueError(
+      f"The loss-scale state holds a {made} scale (it was made by a"
+      f" transformation with `dynamic={state_dynamic}`), and this"
+      f" transformation's scale is {given} (`dynamic={config.dynamic}`)."
+      " Update a state with the transformation whose `init` made it; to"
+      f" switch a run in progress to a {given} scale, `init` a new state"
+      " with this transformation and carry the scale over with"
+      " `ols.set_loss_scale(new_state, ols.loss_scale(old_state))`."
+    )
+  state_counts = state.leaf_notfinite is not None
+  if state_counts != config.leaf_stats:
+    raise ValueError(
+      "The loss-scale state was made with"
+      f" `leaf_stats={state_counts}`, and this transformation has"
+      f" `leaf_stats={config.leaf_stats}`: switching per-leaf statistics"
+      " on or off during a run is refused, since the counts would not"
+      " cover the run. Update the state with the transformation whose"
+      " `init` made it, or `init` a new state with this one (carry the"
+      " scale over with `ols.set_loss_scale(new_state,"
+      " ols.loss_scale(old_state))`)."
+    )
+
+
+def _mode(dynamic: bool) -> str:
+  return "dynamic" if dynamic else "static"
+
+
+def _check_value(value: Any) -> None:
+  """Refuses, while tracing, a `value` that is not a real float scalar
+  (its shape and dtype are static: no traced value is read)."""
+  shape, dtype = None, None
+  if isinstance(value, bool | int | float | complex):
+    shape, dtype = (), jnp.result_type(value)
+  elif hasattr(value, "shape") and hasattr(value, "dtype"):
+    shape, dtype = tuple(value.shape), value.dtype
+  if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    described = (
+      f"shape {shape} and dtype {dtype}"
+      if shape is not None
+      else f"{value!r} of type {type(value).__name__}"
+    )
+    raise TypeError(
+      "`value` must be the step's loss, a real floating-point scalar (a"
+      " float, or an array of shape () and a float dtype), got"
+      f" {described}. Pass the unscaled loss, as `ols.value_and_grad`"
+      " returns it (reduce a per-example loss to its mean first)."
+    )
+
+
 def _agreed_outcome(
   verdict: _finite.Verdict, value: Any, config: LossScaleConfig
 ) -> _rule.Outcome:
@@ -190,24 +266,22 @@ def _agreed_outcome(
   loss_finite = (
     jnp.ones([], jnp.bool_) if value is None else _finite.check(value).finite
   )
-  leaf_codes = verdict.leaf_codes
+  leaf_notfinite = verdict.leaf_notfinite
   if config.axis_name is not None:
-    # One vector crosses the replicas; without an axis, nothing to pack.
+    # One vector crosses the replicas; without an axis, nothing to pack
+    # (nor to slice back into a scalar per leaf, which compiles slowly).
     codes = [
       verdict.code[None],
       _finite.code_of(loss_finite, jnp.zeros([], jnp.bool_))[None],
     ]
-    if leaf_codes is not None:
-      codes.append(leaf_codes)
+    if leaf_notfinite is not None:
+      codes.append(jnp.stack(leaf_notfinite).astype(_finite.CODE_DTYPE))
     agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
     grads_finite = agreed[0] == _finite.FINITE
     grads_nan = agreed[0] == _finite.NAN
     loss_finite = agreed[1] == _finite.FINITE
-    if leaf_codes is not None:
-      leaf_codes = agreed[2:]
-  leaf_notfinite = None
-  if leaf_codes is not None:
-    leaf_notfinite = list(leaf_codes != _finite.FINITE)
+    if leaf_notfinite is not None:
+      leaf_notfinite = list(agreed[2:] != _finite.FINITE)
   return _rule.Outcome(
     grads_finite=grads_finite,
     grads_nan=grads_nan,
