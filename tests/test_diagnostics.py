@@ -14,10 +14,10 @@ from _helpers import assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import optax_lossscale as ols
+
 # PARAMS hold a float16 leaf on purpose (a model's float16 buffers).
 pytestmark = pytest.mark.filterwarnings("ignore:float16 master weights")
-
-import optax_lossscale as ols
 
 PARAMS = {
   "dense": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3, jnp.float16)},

@@ -240,11 +240,6 @@ def test_a_padding_target_makes_the_loss_inf_and_the_gradients_finite():
   assert ols.all_finite(grads)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="an inf loss with finite gradients is applied and counted nowhere,"
-  " with value=loss passed",
-)
 def test_inf_loss_with_finite_gradients_is_skipped_and_counted():
   params, opt_state, losses = run("pad")
   assert losses == [np.inf] * 4
