@@ -384,6 +384,11 @@ def _window(report: OverflowReport) -> list[str]:
     " (Backward values are proportional to the scale; forward values do not"
     " depend on it.)"
   )
+  if report.first is not None:
+    text += (
+      " Infs and NaNs passed on from the value named above are not counted"
+      " here."
+    )
   if checked:
     text += (
       f" Flushed to zero in the backward pass: {flushed} of {checked}"

@@ -79,6 +79,17 @@ class Analysis:
     self.source = np.zeros(n, bool)  # an argument or constant that is bad
     for node in nodes:
       self._judge(node)
+    # Non-finite only through masks: a mask, or passed on from masks alone.
+    self.from_masks = np.zeros(n, bool)
+    for node in nodes:
+      i = node.index
+      self.from_masks[i] = self.mask[i] or (
+        self.nonfinite[i]
+        and not self.source[i]
+        and self.made[i] == 0
+        and all(self.from_masks[k] for k in node.inputs if self.nonfinite[k])
+        and any(self.nonfinite[k] for k in node.inputs)
+      )
     self.cone = _ancestors(nodes, [outputs.loss])
     self.serves_gradients = _ancestors(nodes, outputs.grads)
     self.tainted = self._tainted()
@@ -310,7 +321,13 @@ class Analysis:
     )
 
   def _masks(self, labels: dict[int, str]) -> list[str]:
-    """Where the masks are: each in words, once, in program order."""
+    """Where the masks are that mask something (an inf that some operation
+    passes on, not a `-inf` that a `max` drops): each in words, once, in
+    program order."""
+    consumers: dict[int, list[int]] = {}
+    for node in self.nodes:
+      for k in node.inputs:
+        consumers.setdefault(k, []).append(node.index)
     found: list[str] = []
     for node in self.nodes:
       if not self.mask[node.index]:
@@ -319,10 +336,23 @@ class Analysis:
         self.mask[k] for k in node.inputs
       ):
         continue  # passed on from a mask already listed
-      text = _mask_words(node, labels)
+      users = [self.nodes[k] for k in consumers.get(node.index, ())]
+      if not any(self._masked_by(u, node.index) for u in users):
+        continue  # its infs go no further
+      text = _mask_words(node, labels, users)
       if text not in found:
         found.append(text)
     return found
+
+  def _masked_by(self, user: Node, mask: int) -> bool:
+    """Whether `user` is not finite because of input `mask`: its other
+    floating-point inputs are finite, or not finite through masks only."""
+    if not self.nonfinite[user.index] or self.mask[user.index]:
+      return False
+    others = [
+      k for k in user.inputs if k != mask and self.nodes[k].dtype is not None
+    ]
+    return all(self.from_masks[k] for k in others if self.nonfinite[k])
 
   def _scopes(self) -> tuple[ScopeStats, ...]:
     """The float16 values' statistics summed per (pass, scope), in the
@@ -352,17 +382,22 @@ class Analysis:
     )
 
 
-def _mask_words(node: Node, labels: dict[int, str]) -> str:
+def _mask_words(node: Node, labels: dict[int, str], users: list[Node]) -> str:
   if node.kind in (_graph.INPUT, _graph.PARAMETER):
     return f"the input `{labels.get(node.index, node.label)}`"
+  sources = [u.where.source for u in users if u.where and u.where.source]
+  if node.where is not None and node.where.source:
+    sources.insert(0, node.where.source)
+  at = f" at {sources[0]}" if sources else ""
   if node.kind == _graph.LITERAL:
-    return f"the number {node.label} in the code"
+    assert node.value is not None
+    return f"{float(node.value.flat[0]):g} written in the code{at}"
   if node.kind == _graph.CONSTANT:
-    return "an array the code closes over"
-  w = node.where
-  assert w is not None
-  at = f" at {w.source}" if w.source else ""
-  return f"{w.primitive} of a constant{at}"
+    return f"an array the code closes over, used{at}"
+  assert node.where is not None
+  if node.where.primitive == CONVERT.name:
+    return f"a cast to {node.dtype} of a value beyond its range{at}"
+  return f"a value computed from constants{at}"
 
 
 def _ancestors(nodes: list[Node], start: Iterable[int]) -> set[int]:
