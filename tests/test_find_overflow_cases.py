@@ -122,6 +122,7 @@ def test_rsqrts_derivative_is_named_as_the_derivative():
   assert np.isfinite(report.loss)
   first = report.first
   assert (first.pass_name, first.derivative_of) == ("backward", "rsqrt")
+  assert first.primitive == "rsqrt's derivative"
   assert first.code.startswith("return jnp.sum((h * jax.lax.rsqrt(")
   assert flat(report).startswith(
     "Overflow in rsqrt's derivative (loss scale 1): jax computes it while"
@@ -282,6 +283,33 @@ def test_the_scaled_loss_overflowing_is_named_as_such():
   )
 
 
+# ------------------------------------------------------------ source lines
+
+
+def test_a_custom_vjp_backward_rule_is_named_by_its_own_line():
+  @jax.custom_vjp
+  def clip_gradient(h):
+    return h
+
+  def forward(h):
+    return h, None
+
+  def backward(_, g):
+    g = g * F16(2**2)
+    return (g * F16(2**10),)  # 2**4 * 2**12 = 2**16: inf
+
+  clip_gradient.defvjp(forward, backward)
+
+  def loss(w, x):
+    h = clip_gradient(x.astype(F16) * w.astype(F16)) * F16(2**4)
+    return jnp.sum(h.astype(F32))
+
+  first = ols.find_overflow(loss, W4, X6).first
+  assert (first.pass_name, first.primitive) == ("backward", "mul")
+  assert first.code == "return (g * F16(2**10),)  # 2**4 * 2**12 = 2**16: inf"
+  assert first.call_path[-1].endswith("backward")
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -379,3 +407,16 @@ def _peak(compiled):
   return (
     m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
   )
+
+
+def test_the_memory_benchmark_runs_tiny(capsys):
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "finder_memory.py"
+  spec = importlib.util.spec_from_file_location("_finder_memory", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  plain, finder = module.main(["--tiny"])
+  assert "finder / plain, compiled_bytes" in capsys.readouterr().out
+  assert finder["compiled_bytes"] <= 3 * plain["compiled_bytes"]

@@ -22,6 +22,7 @@ from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder.analysis import Analysis, Outputs
 from optax_lossscale._diagnostics.finder.compile import compile_for_one_run
 from optax_lossscale._diagnostics.finder.program import Program, scale_value
+from optax_lossscale._diagnostics.finder.source import rule_frames
 from optax_lossscale._diagnostics.overflow_report import OverflowReport
 
 
@@ -162,9 +163,10 @@ class _Run:
         " batch, ...); the gradient is taken with respect to the first."
       )
     program = Program(fun, args)
-    self._closed = jax.make_jaxpr(program)(
-      program.differentiated, program.inputs, jnp.float32(value)
-    )
+    with rule_frames():
+      self._closed = jax.make_jaxpr(program)(
+        program.differentiated, program.inputs, jnp.float32(value)
+      )
     self._kinds = [_graph.PARAMETER] * len(program.differentiated)
     self._kinds += [_graph.INPUT] * len(program.inputs) + [_graph.SCALE]
     self._names = [*program.labels, "the loss scale"]

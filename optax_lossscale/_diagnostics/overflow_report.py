@@ -23,8 +23,10 @@ class Overflow:
       ``derivative_of``), ``"loss scaling"`` (``loss * scale`` itself), or
       ``"input"`` for an argument of ``fun`` that holds one already
       (``"constant"`` for an array ``fun`` closes over).
-    primitive: the jax primitive (``"exp"``, ``"dot_general"``), or, for an
-      input, its name by ``fun``'s parameters (``"batch['x']"``).
+    primitive: the jax primitive (``"exp"``, ``"dot_general"``); for a
+      derivative computed in the forward trace, that derivative
+      (``"rsqrt's derivative"``); for an input, its name by ``fun``'s
+      parameters (``"batch['x']"``).
     scope: the name scopes (``jax.named_scope``, Flax Linen module paths),
       joined by ``/``; empty when there are none.
     source: ``"file:line (function)"`` of the user's code that made it.

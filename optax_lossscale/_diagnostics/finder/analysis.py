@@ -302,9 +302,12 @@ class Analysis:
     nan = int(c[NAN]) if c is not None else int(self.nan[j])
     inf = int(c[INF]) if c is not None else 0
     w = node.where
+    primitive = w.primitive if w else labels.get(j, node.label)
+    if derivative_of is not None:
+      primitive = f"{derivative_of}'s derivative"
     return Overflow(
       pass_name=pass_name,
-      primitive=w.primitive if w else labels.get(j, node.label),
+      primitive=primitive,
       scope=w.scope if w else "",
       source=w.source if w else None,
       code=w.code if w else None,
