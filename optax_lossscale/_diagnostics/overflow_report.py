@@ -336,9 +336,7 @@ def _overflow_lines(o: Overflow) -> list[str]:
     f" {_counts(o)}{largest}",
     hanging=hanging,
   )
-  lines += _wrap(
-    f"{field('scope')}{o.scope or '(no name scope)'}", hanging=hanging
-  )
+  lines += _wrap_path(field("scope"), o.scope or "(no name scope)", "/")
   if o.boundary is not None:
     lines += _wrap(
       f"{field('inside')}a `{o.boundary}`, whose body the finder does not"
@@ -350,10 +348,23 @@ def _overflow_lines(o: Overflow) -> list[str]:
     if o.code:
       lines.append(f"{hanging}  {o.code}")
   if o.call_path:
-    lines += _wrap(
-      f"{field('call path')}{' > '.join(o.call_path)}", hanging=hanging
-    )
+    lines += _wrap_path(field("call path"), " > ".join(o.call_path), " > ")
   return lines
+
+
+def _wrap_path(label: str, path: str, separator: str) -> list[str]:
+  """`label` and `path`, wrapped only after a `separator`: a name is never
+  broken, and one longer than a line stays whole on its own line."""
+  parts = path.split(separator)
+  pieces = [part + separator for part in parts[:-1]] + [parts[-1]]
+  lines = [label]
+  for piece in pieces:
+    if len(lines[-1]) + len(piece.rstrip()) > WIDTH and lines[-1].strip():
+      if lines[-1] != label:
+        lines[-1] = lines[-1].rstrip()
+        lines.append(" " * len(label))
+    lines[-1] += piece.lstrip() if lines[-1].isspace() else piece
+  return [line.rstrip() for line in lines]
 
 
 def _window(report: OverflowReport) -> list[str]:
