@@ -12,11 +12,16 @@ import numpy as np
 from optax_lossscale._core import compat as _compat
 from optax_lossscale._diagnostics.finder import primitives as _prims
 from optax_lossscale._diagnostics.finder import source as _source
+from optax_lossscale._diagnostics.finder import statistics as _statistics
 from optax_lossscale._diagnostics.finder.reference import (
   float32_reference,
   has_body,
 )
-from optax_lossscale._diagnostics.finder.statistics import value_statistics
+
+# Values of one size made one after the other are reduced together, this
+# many at most: fewer kernels to compile, each holding a few values a
+# little longer than the program itself does.
+GROUP = 8
 
 # What a node is.
 PARAMETER = "parameter"  # differentiated
@@ -57,8 +62,9 @@ class Recorder:
 
   def __init__(self) -> None:
     self.nodes: list[Node] = []
-    self._counts: list[jax.Array] = []
-    self._magnitudes: list[jax.Array] = []
+    self._counts: list[jax.Array | None] = []
+    self._magnitudes: list[jax.Array | None] = []
+    self._pending: list[tuple[int, _statistics.Operands]] = []
 
   def add(self, node_kind: str, **fields: Any) -> int:
     node = Node(len(self.nodes), node_kind, **fields)
@@ -96,10 +102,29 @@ class Recorder:
     node.dtype = str(value.dtype)
     node.shape = tuple(value.shape)
     node.row = len(self._counts)
-    counts, magnitudes = value_statistics(value, ins, reference)
-    self._counts.append(counts)
-    self._magnitudes.append(magnitudes)
+    self._counts.append(None)
+    self._magnitudes.append(None)
+    operands = _statistics.operands(value, ins, reference)
+    if self._pending and (
+      len(self._pending) == GROUP
+      or self._pending[0][1].arrays[0].shape != operands.arrays[0].shape
+    ):
+      self._flush()
+    self._pending.append((node.row, operands))
     return value
+
+  def _flush(self) -> None:
+    """Reduces the pending values of one size, together."""
+    if not self._pending:
+      return
+    rows = [row for row, _ in self._pending]
+    group = [operands for _, operands in self._pending]
+    for row, (counts, magnitudes) in zip(
+      rows, _statistics.reduce_group(group), strict=True
+    ):
+      self._counts[row] = counts
+      self._magnitudes[row] = magnitudes
+    self._pending = []
 
   def operation(
     self,
@@ -152,9 +177,13 @@ class Recorder:
 
   def statistics(self) -> tuple[jax.Array, jax.Array]:
     """Every measured value's counts and magnitudes, one row each."""
-    if not self._counts:
+    self._flush()
+    counts = [c for c in self._counts if c is not None]
+    magnitudes = [m for m in self._magnitudes if m is not None]
+    assert len(counts) == len(magnitudes) == len(self._counts)
+    if not counts:
       return jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 2), jnp.float32)
-    return jnp.stack(self._counts), jnp.stack(self._magnitudes)
+    return jnp.stack(counts), jnp.stack(magnitudes)
 
 
 def _positional(eqn: Any, out: Any, ins: list[Any]) -> list[Any] | None:

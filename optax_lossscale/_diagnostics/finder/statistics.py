@@ -2,12 +2,14 @@
 made: counts of NaNs, infs, elements made non-finite there, and elements
 flushed to zero; its largest and smallest nonzero finite magnitudes.
 
-Each value is reduced as soon as it exists, so the program holds no value
-longer than the gradient program itself does: the finder's memory stays
-that of a plain `value_and_grad` plus a few numbers per value.
+A value is reduced soon after it is made, together with the few values of
+its size made just before it (`graph.GROUP` at most), in one variadic
+reduction: the program holds no value much longer than the gradient
+program itself does, so the finder's memory stays near a plain
+`value_and_grad`'s, and compiles one kernel per group.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +21,28 @@ UNKNOWN = -1  # a count that this value has no way to know
 LARGEST, SMALLEST = range(2)
 
 
+class Operands(NamedTuple):
+  """A value's per-element operands of the reduction (raveled), and whether
+  its `made` and `flushed` counts mean anything."""
+
+  arrays: tuple[jax.Array, ...]
+  made_known: bool
+  flushed_known: bool
+
+
 def value_statistics(
   out: jax.Array, ins: list[jax.Array] | None, reference: Any
 ) -> tuple[jax.Array, jax.Array]:
   """`[nan, inf, made, flushed]` counts (int32) and `[largest, smallest
-  nonzero]` finite magnitudes (float32) of `out`.
+  nonzero]` finite magnitudes (float32) of `out` (see `operands`)."""
+  ((counts, magnitudes),) = reduce_group([operands(out, ins, reference)])
+  return counts, magnitudes
+
+
+def operands(
+  out: jax.Array, ins: list[jax.Array] | None, reference: Any
+) -> Operands:
+  """Per element of `out` (raveled), what its statistics sum or bound.
 
   `ins` are the floating-point inputs of an elementwise operation (each of
   `out`'s shape, or a scalar): an element is *made* non-finite there when
@@ -32,9 +51,6 @@ def value_statistics(
   `ins`, `made` is `UNKNOWN`: the host decides from the inputs' counts.
   `reference`, the same operation in float32, gives `flushed`: elements
   that are zero although the reference's are not (else `UNKNOWN`).
-
-  All six are one variadic reduction, into which the compiler fuses the
-  elementwise work: no full-size temporary per statistic.
   """
   nan = jnp.isnan(out)
   finite = jnp.isfinite(out)
@@ -53,7 +69,7 @@ def value_statistics(
   else:
     flushed = ((reference != 0) & (out == 0)).astype(jnp.int32)
   magnitude = jnp.abs(out).astype(jnp.float32)
-  operands = (
+  arrays = (
     nan.astype(jnp.int32),
     (~finite & ~nan).astype(jnp.int32),
     made,
@@ -61,31 +77,46 @@ def value_statistics(
     jnp.where(finite, magnitude, 0.0),
     jnp.where(finite & (magnitude > 0), magnitude, jnp.inf),
   )
+  return Operands(
+    tuple(jnp.ravel(a) for a in arrays), ins is not None, reference is not None
+  )
+
+
+def reduce_group(
+  group: list[Operands],
+) -> list[tuple[jax.Array, jax.Array]]:
+  """The statistics of values of one size, as one variadic reduction into
+  which the compiler fuses the elementwise work: one kernel for the group,
+  and no full-size temporary per statistic."""
+  arrays = [a for arrays, _, _ in group for a in arrays]
   zero, inf = jnp.int32(0), jnp.float32(jnp.inf)
-  nan_, inf_, made_, flushed_, largest, smallest = jax.lax.reduce(
-    operands,
-    (zero, zero, zero, zero, jnp.float32(0), inf),
-    _combine,
-    tuple(range(out.ndim)),
-  )
+  init = (zero, zero, zero, zero, jnp.float32(0), inf) * len(group)
+  reduced = jax.lax.reduce(tuple(arrays), init, _combine, (0,))
   unknown = jnp.int32(UNKNOWN)
-  counts = jnp.stack(
-    [
-      nan_,
-      inf_,
-      unknown if ins is None else made_,
-      unknown if reference is None else flushed_,
-    ]
-  )
-  return counts, jnp.stack([largest, smallest])
+  results = []
+  for k, (_, made_known, flushed_known) in enumerate(group):
+    nan, inf_, made, flushed, largest, smallest = reduced[6 * k : 6 * k + 6]
+    counts = jnp.stack(
+      [
+        nan,
+        inf_,
+        made if made_known else unknown,
+        flushed if flushed_known else unknown,
+      ]
+    )
+    results.append((counts, jnp.stack([largest, smallest])))
+  return results
 
 
 def _combine(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
-  return (
-    a[0] + b[0],
-    a[1] + b[1],
-    a[2] + b[2],
-    a[3] + b[3],
-    jnp.maximum(a[4], b[4]),
-    jnp.minimum(a[5], b[5]),
-  )
+  out = []
+  for k in range(0, len(a), 6):
+    out += [
+      a[k] + b[k],
+      a[k + 1] + b[k + 1],
+      a[k + 2] + b[k + 2],
+      a[k + 3] + b[k + 3],
+      jnp.maximum(a[k + 4], b[k + 4]),
+      jnp.minimum(a[k + 5], b[k + 5]),
+    ]
+  return tuple(out)
