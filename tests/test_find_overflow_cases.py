@@ -393,6 +393,25 @@ def test_call_paths_leave_out_decorator_wrappers():
   assert names[-2:] == ["loss", "layer"], first.call_path
 
 
+# ---------------------------------------------------------- jax internals
+
+
+def test_the_finder_matches_primitives_by_object():
+  from jax.extend import core as jex_core
+
+  from optax_lossscale._diagnostics.finder import primitives
+
+  classes = (
+    primitives.LAYOUT,
+    primitives.PICKERS,
+    primitives.ELEMENTWISE,
+    primitives.NO_REFERENCE,
+    {primitives.CONVERT, primitives.REMAT},
+  )
+  for members in classes:
+    assert all(isinstance(p, jex_core.Primitive) for p in members)
+
+
 # ------------------------------------------------------------------ memory
 
 

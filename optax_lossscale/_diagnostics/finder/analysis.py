@@ -151,7 +151,7 @@ class Analysis:
     """Whether `node` is a cast whose infs all come from masks: every value
     beyond float16's range that it casts (through `where`s and reshapes)
     is a constant, a number in the code or a batch input."""
-    if node.where is None or node.where.primitive != CONVERT.name:
+    if node.primitive is not CONVERT:
       return False
     huge = [
       j
@@ -398,7 +398,7 @@ def _mask_words(node: Node, labels: dict[int, str], users: list[Node]) -> str:
   if node.kind == _graph.CONSTANT:
     return f"an array the code closes over, used{at}"
   assert node.where is not None
-  if node.where.primitive == CONVERT.name:
+  if node.primitive is CONVERT:
     return f"a cast to {node.dtype} of a value beyond its range{at}"
   return f"a value computed from constants{at}"
 

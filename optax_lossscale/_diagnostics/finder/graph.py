@@ -51,6 +51,7 @@ class Node:
   scale_dependent: bool = False  # computed from the loss scale
   in_remat: bool = False  # inside a rematerialized body
   value: np.ndarray | None = None  # a literal's
+  primitive: Any = None  # an operation's, the object (names change)
 
   @property
   def size(self) -> int:
@@ -142,6 +143,7 @@ class Recorder:
     where = _source.where(eqn, context, boundary=has_body(eqn))
     common = dict(
       label=where.primitive,
+      primitive=eqn.primitive,
       inputs=tuple(inputs),
       where=where,
       layout=layout,

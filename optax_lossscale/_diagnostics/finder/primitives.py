@@ -73,7 +73,18 @@ NO_REFERENCE = frozenset(
 )
 
 CONVERT = _p.convert_element_type_p
-REMAT = _p.remat_p
+
+
+def _remat() -> Any:
+  """`remat_p`: exported by `jax.extend.core.primitives` in newer jax only
+  (not in every release this package supports)."""
+  remat = getattr(_p, "remat_p", None)
+  if remat is None:  # pragma: no cover - older jax
+    from jax._src.ad_checkpoint import remat_p as remat
+  return remat
+
+
+REMAT = _remat()
 
 
 def is_layout(eqn: Any) -> bool:
