@@ -213,6 +213,7 @@ def test_a_mask_reaching_the_loss_is_named_where_it_reaches_it():
   report = ols.find_overflow(padded, W4, jnp.array([0, 3]))
   assert report and report.loss == np.inf
   assert report.first.from_mask
+  assert report.first.primitive == "gather"  # picks the masked logit
   assert "a mask's inf reaches it" in flat(report)
 
 

@@ -45,7 +45,9 @@ class Overflow:
       the loss scale.
     from_mask: True when no operation made an inf or a NaN of its own, and
       the loss or a gradient is not finite because a mask's inf reached
-      it: this is the first operation on its way there.
+      it: this is the first operation on its way there that carries it
+      beyond the positions it masks (a gather that picks a masked logit,
+      a sum over one).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -161,9 +163,9 @@ class OverflowReport:
     first: the first harmful value that is not finite, in program order:
       made not finite by an operation from finite inputs (or a bad input),
       and carried to the loss, the scaled loss or a gradient. Where only a
-      mask's inf reaches them, the first operation on its way there
-      (``first.from_mask``). None when the loss and the gradients are
-      finite.
+      mask's inf reaches them, the first operation that carries it beyond
+      the positions it masks (``first.from_mask``). None when the loss and
+      the gradients are finite.
     nonfinite_operations: how many operations hold values that are not
       finite in all: made there, passed on, or a mask's.
     loss: the loss ``fun`` returned (unscaled).
@@ -276,7 +278,8 @@ def _head(report: OverflowReport, first: Overflow) -> list[str]:
       *_wrap(
         f"The loss ({report.loss:.6g}) or a gradient is not finite at loss"
         f" scale {scale}, though no operation overflowed: a mask's inf"
-        " reaches it. The first operation on its way there:"
+        " reaches it. The first operation that carries it beyond the"
+        " positions it masks:"
       )
     ]
   if first.derivative_of is not None:

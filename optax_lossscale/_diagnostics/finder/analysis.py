@@ -27,7 +27,7 @@ import numpy as np
 
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder.graph import Node
-from optax_lossscale._diagnostics.finder.primitives import CONVERT
+from optax_lossscale._diagnostics.finder.primitives import CONVERT, ELEMENTWISE
 from optax_lossscale._diagnostics.finder.statistics import (
   FLUSHED,
   INF,
@@ -259,15 +259,7 @@ class Analysis:
       first = bad[0]
     elif self.tainted:  # only masks' infs reach an output
       from_mask = True
-      first = next(
-        (
-          j
-          for j in sorted(self.tainted)
-          if self.nodes[j].kind == _graph.OPERATION
-          and not (self.mask[j] or self.nodes[j].layout or self.nodes[j].picker)
-        ),
-        min(self.tainted),
-      )
+      first = self._where_masks_spread()
     discarded = [
       j
       for j, node in enumerate(self.nodes)
@@ -292,6 +284,19 @@ class Analysis:
       masks=tuple(self._masks(labels)),
       discarded=tuple(self._overflow(j, labels) for j in discarded[:_LISTED]),
     )
+
+  def _where_masks_spread(self) -> int:
+    """Where a mask's inf, carried to an output, first leaves the positions
+    it masks: the first operation on its way there that is not elementwise
+    (a gather that picks a masked logit, a sum over it)."""
+    chain = [
+      j
+      for j in sorted(self.tainted)
+      if self.nodes[j].kind == _graph.OPERATION
+      and not (self.mask[j] or self.nodes[j].layout)
+    ]
+    spread = [j for j in chain if self.nodes[j].primitive not in ELEMENTWISE]
+    return (spread or chain or [min(self.tainted)])[0]
 
   def _overflow(
     self, j: int, labels: dict[int, str], from_mask: bool = False
