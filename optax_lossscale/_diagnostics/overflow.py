@@ -92,8 +92,8 @@ def find_overflow(
       optimizer state that :func:`loss_scale` accepts (its current scale).
 
   Returns:
-    An :class:`~optax_lossscale._diagnostics.overflow_report.OverflowReport`:
-    false when the loss and the gradients are finite. ``str(report)`` says
+    An ``OverflowReport``: false when the loss and the gradients are
+    finite. ``str(report)`` says
     where (and prints a table of the scopes); ``report.first`` is the first
     harmful non-finite value.
 
