@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 import optax_lossscale as ols
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._diagnostics import overflow as _overflow
+from optax_lossscale._diagnostics.finder import compile as _compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F16 = jnp.float16
@@ -86,7 +87,7 @@ def test_a_healthy_function_reports_nothing():
   assert report.first is None and report.nonfinite_operations == 0
   assert report.loss == 4 * 2.0**10
   text = str(report)
-  assert text.startswith("No overflow: every value made by the forward pass")
+  assert text.startswith("No overflow: the loss and every gradient are finite")
   assert "Float16 values of the forward pass, per scope:" in text
   assert all(len(line) <= 79 for line in text.splitlines())
 
@@ -136,7 +137,7 @@ def test_an_overflow_at_the_scale_only_is_found_at_that_scale():
     "layer",
     "mul",
   )
-  assert "(loss scale 2^10 (1024))" in str(report)
+  assert "(loss scale 2**10 (1024))" in str(report)
 
 
 def test_scale_takes_an_optimizer_state():
@@ -151,10 +152,10 @@ def test_an_input_that_is_not_finite_is_named():
   first = report.first
   assert (first.pass_name, first.primitive, first.nan) == (
     "input",
-    "args[1]",
+    "x",
     1,
   )
-  assert str(report).startswith("Not finite from the start: the input args[1]")
+  assert str(report).startswith("Not finite from the start: the input `x`")
 
 
 def test_bfloat16_and_float32_are_checked_for_nan_and_inf_only():
@@ -184,9 +185,7 @@ def test_an_inf_written_in_the_code_is_not_an_overflow():
 
   report = ols.find_overflow(masked, W4, X6, 1)
   assert not report and report.nonfinite_operations > 0
-  assert "pass on an inf or a NaN written in the code" in " ".join(
-    str(report).split()
-  )
+  assert "Masks (infs written in the code or passed in" in str(report)
   # An overflow after the mask is still found: 2**8 * 2**8 = 2**16.
   first = ols.find_overflow(masked, W4, X6, 2**8).first
   assert (first.primitive, first.inf) == ("mul", 2)
@@ -226,15 +225,14 @@ def test_remat_and_custom_vjp_are_entered():
     h = amplify_grad(x.astype(F16) * w.astype(F16)) * F16(2**4)
     return jnp.sum(h.astype(jnp.float32))
 
-  # The backward rule runs in the backward pass; jax names the line that
-  # called the function.
+  # The backward rule runs in the backward pass, named by its own line.
   first = ols.find_overflow(custom_backward, W4, X6).first
   assert (first.primitive, first.boundary, first.pass_name) == (
     "mul",
     None,
     "backward",
   )
-  assert first.code.startswith("h = amplify_grad(")
+  assert first.code.startswith("lambda _, g: (g * F16(2**12),)")
 
   @jax.custom_vjp
   def square(h):
@@ -393,10 +391,10 @@ def test_bad_fun_and_scale_are_refused():
     ols.find_overflow("loss", W4)
   with pytest.raises(TypeError, match="arguments"):
     ols.find_overflow(layered)
-  for scale in (0.0, -1.0, float("nan"), float("inf"), True):
+  for scale in (0.0, -1.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match="positive"):
       ols.find_overflow(layered, W4, X6, scale=scale)
-  with pytest.raises(ValueError, match="No loss-scale state"):
+  with pytest.raises(TypeError, match="`scale`"):
     ols.find_overflow(layered, W4, X6, scale=optax.sgd(0.1).init(W4))
 
 
@@ -405,13 +403,13 @@ def test_bad_fun_and_scale_are_refused():
 
 def test_no_host_callback(monkeypatch):
   programs = []
-  compile_for_one_run = _compat.compile_for_one_run
+  compile_for_one_run = _compile.compile_for_one_run
 
   def spy(lowered, elements):
     programs.append(lowered.as_text())
     return compile_for_one_run(lowered, elements)
 
-  monkeypatch.setattr(_compat, "compile_for_one_run", spy)
+  monkeypatch.setattr(_overflow, "compile_for_one_run", spy)
   assert ols.find_overflow(layered, W4, X6, scale=2.0**10)
   (program,) = programs
   assert "callback" not in program.lower()
@@ -452,11 +450,11 @@ def test_compile_options_a_jaxlib_lacks_are_left_out():
         )
       return "compiled"
 
-  assert _compat.compile_for_one_run(Lowered(), 1000) == "compiled"
+  assert _compile.compile_for_one_run(Lowered(), 1000) == "compiled"
   assert options == [
     {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
     {"xla_backend_optimization_level": 0},
   ]
   options.clear()  # large programs: faster code, for a longer compile
-  assert _compat.compile_for_one_run(Lowered(), 2**28) == "compiled"
+  assert _compile.compile_for_one_run(Lowered(), 2**28) == "compiled"
   assert options[-1] == {"xla_backend_optimization_level": 1}

@@ -14,13 +14,19 @@ WIDTH = 79  # of the text, for a terminal and a notebook alike
 
 @dataclasses.dataclass(frozen=True)
 class Overflow:
-  """The first value that is not finite, and the operation that made it.
+  """A value that is not finite, and the operation that made it.
 
   Attributes:
-    pass_name: ``"forward"``, ``"backward"``, or ``"input"`` for an argument
-      of ``fun`` (or an array it closes over) that holds one already.
-    primitive: the jax primitive (``"exp"``, ``"dot_general"``), or, for an
-      input, where it is (``"args[1]['x']"``).
+    pass_name: ``"forward"`` (what the loss is computed from),
+      ``"backward"`` (what the gradients are computed from: the cotangents,
+      and derivatives computed in the forward trace, see
+      ``derivative_of``), ``"loss scaling"`` (``loss * scale`` itself), or
+      ``"input"`` for an argument of ``fun`` that holds one already
+      (``"constant"`` for an array ``fun`` closes over).
+    primitive: the jax primitive (``"exp"``, ``"dot_general"``); for a
+      derivative computed in the forward trace, that derivative
+      (``"rsqrt's derivative"``); for an input, its name by ``fun``'s
+      parameters (``"batch['x']"``).
     scope: the name scopes (``jax.named_scope``, Flax Linen module paths),
       joined by ``/``; empty when there are none.
     source: ``"file:line (function)"`` of the user's code that made it.
@@ -33,6 +39,27 @@ class Overflow:
     dtype, shape: of the value.
     nan, inf, size: how many of its elements are NaN, infinite, in all.
     largest: its largest finite magnitude.
+    derivative_of: for a value that jax computes while tracing the forward
+      pass but that only the gradients use, the primitive whose derivative
+      it is (``"rsqrt"``); None otherwise. Such a value does not depend on
+      the loss scale.
+    from_mask: True when no operation made an inf or a NaN of its own, and
+      the loss or a gradient is not finite because a mask's inf reached
+      it: this is the first operation on its way there that carries it
+      beyond the positions it masks (a gather that picks a masked logit,
+      a sum over one).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> def loss(w, x):
+    ...   return jnp.sum(jnp.exp(x * w.astype(jnp.float16)).astype(float))
+    >>> first = ols.find_overflow(loss, jnp.full(2, 16.0),
+    ...                           jnp.ones(2, jnp.float16)).first
+    >>> (first.pass_name, first.primitive, first.inf, first.size)
+    ('forward', 'exp', 2, 2)
+    >>> first.code
+    'return jnp.sum(jnp.exp(x * w.astype(jnp.float16)).astype(float))'
   """
 
   pass_name: str
@@ -48,6 +75,8 @@ class Overflow:
   inf: int
   size: int
   largest: float
+  derivative_of: str | None = None
+  from_mask: bool = False
 
   def __str__(self) -> str:
     return "\n".join(_overflow_lines(self))
@@ -71,6 +100,24 @@ class ScopeStats:
       not counted again).
     flush_checked: values for which that float32 reference exists (not for
       the outputs of control flow, for instance).
+
+  A value counts once, in its own pass: a value recomputed under
+  ``jax.checkpoint`` is not counted again, a mask's infs are not counted as
+  ``nonfinite``, and the forward table holds the derivatives computed in
+  the forward trace (they do not scale with the loss scale).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> def loss(w, x):
+    ...   with jax.named_scope("layer"):
+    ...     h = x * w.astype(jnp.float16)  # 2**6 * 2**4
+    ...   return jnp.sum(h.astype(jnp.float32))
+    >>> report = ols.find_overflow(loss, jnp.full(4, 16.0),
+    ...                            jnp.full(4, 64.0, jnp.float16))
+    >>> layer = report.scopes[0]
+    >>> layer.pass_name, layer.scope, layer.largest, layer.doublings
+    ('forward', 'layer', 1024.0, 5)
   """
 
   pass_name: str
@@ -109,18 +156,40 @@ class ScopeStats:
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-  """What :func:`find_overflow` found: true when a value was not finite.
+  """What :func:`find_overflow` found: true when the loss or a gradient is
+  not finite.
 
   Attributes:
-    first: the first value that is not finite, in program order, among
-      the arguments and the outputs of operations whose inputs are all
-      finite; None when there is none.
+    first: the first harmful value that is not finite, in program order:
+      made not finite by an operation from finite inputs (or a bad input),
+      and carried to the loss, the scaled loss or a gradient. Where only a
+      mask's inf reaches them, the first operation that carries it beyond
+      the positions it masks (``first.from_mask``). None when the loss and
+      the gradients are finite.
     nonfinite_operations: how many operations hold values that are not
-      finite in all: made there, passed on from ``first``, or from a
-      constant inf in the code (a ``-inf`` mask).
+      finite in all: made there, passed on, or a mask's.
     loss: the loss ``fun`` returned (unscaled).
     scale: the loss scale the backward pass ran at.
     scopes: the float16 values of each scope, in program order.
+    masks: where the masks are, in words: infs written in the code or
+      passed in, and values that become infs only once cast to float16.
+      They and what they pass on are not overflows.
+    discarded: overflows that reach neither the loss nor the gradients (a
+      ``where`` drops them), the first few in program order.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> def loss(w, bias):  # bias: -inf where masked
+    ...   logits = w.astype(jnp.float16) + bias
+    ...   return jnp.sum(jnp.exp(logits).astype(jnp.float32))
+    >>> bias = jnp.array([0.0, -jnp.inf], jnp.float16)
+    >>> report = ols.find_overflow(loss, jnp.array([1.0, 1.0]), bias)
+    >>> bool(report), report.masks
+    (False, ('the input `bias`',))
+    >>> report = ols.find_overflow(loss, jnp.array([12.0, 1.0]), bias)
+    >>> bool(report), report.first.primitive  # exp(12) > 65504
+    (True, 'exp')
   """
 
   first: Overflow | None
@@ -128,6 +197,8 @@ class OverflowReport:
   loss: float
   scale: float
   scopes: tuple[ScopeStats, ...]
+  masks: tuple[str, ...] = ()
+  discarded: tuple[Overflow, ...] = ()
 
   def __bool__(self) -> bool:
     return self.first is not None
@@ -148,50 +219,94 @@ class OverflowReport:
 
 
 def format_scale(scale: float) -> str:
-  """`2^15 (32768)` for a power of two, else the number."""
+  """`2**15 (32768)` for a power of two, else the number."""
   if scale > 0 and math.isfinite(scale):
     exponent = math.log2(scale)
     if exponent == int(exponent) and scale != 1:
-      return f"2^{int(exponent)} ({scale:g})"
+      number = str(int(scale)) if scale >= 1 else f"{scale:g}"
+      return f"2**{int(exponent)} ({number})"
   return f"{scale:g}"
 
 
 def _verdict(report: OverflowReport) -> list[str]:
-  scale = format_scale(report.scale)
   first = report.first
-  carried = report.nonfinite_operations
   if first is None:
-    text = (
-      "No overflow: every value made by the forward pass, and by the"
-      f" backward pass at loss scale {scale}, is finite (loss"
-      f" {report.loss:.6g})."
-    )
-    if carried:
-      text += (
-        f" {carried} operation{'s' if carried != 1 else ''} pass on an inf"
-        " or a NaN written in the code (a -inf mask, say)."
-      )
-    return _wrap(text)
-  if first.pass_name == "input":
-    head = "\n".join(
-      _wrap(
-        f"Not finite from the start: the input {first.primitive} holds"
-        f" {_counts(first)} before any operation runs."
-      )
+    lines = _wrap(
+      "No overflow: the loss and every gradient are finite at loss scale"
+      f" {format_scale(report.scale)} (loss {report.loss:.6g})."
     )
   else:
-    head = (
-      f"Overflow in the {first.pass_name} pass (loss scale {scale}).\n"
-      "The first value that is not finite is made by:"
-    )
-  lines = [*head.splitlines(), *_overflow_lines(first)]
-  if carried > 1:
+    lines = [*_head(report, first), *_overflow_lines(first)]
+    carried = report.nonfinite_operations
+    if carried > 1:
+      lines += _wrap(
+        f"{carried} operations hold values that are not finite in all:"
+        " passed on from this one, or a mask's.",
+        indent="  ",
+      )
+  if report.masks:
     lines += _wrap(
-      f"{carried} operations hold values that are not finite in all, most"
-      " likely passed on from this one.",
-      indent="  ",
+      "Masks (infs written in the code or passed in, and values that become"
+      " infs once cast to float16; what they pass on is not an overflow): "
+      + "; ".join(report.masks)
+      + "."
+    )
+  if report.discarded:
+    lines += _wrap(
+      "Discarded (not finite, but reaching neither the loss nor the"
+      " gradients, as where a `where` drops them): "
+      + "; ".join(_briefly(o) for o in report.discarded)
+      + "."
     )
   return lines
+
+
+def _head(report: OverflowReport, first: Overflow) -> list[str]:
+  scale = format_scale(report.scale)
+  if first.pass_name in ("input", "constant"):
+    what = (
+      f"the input `{first.primitive}`"
+      if first.pass_name == "input"
+      else "an array `fun` closes over"
+    )
+    return _wrap(
+      f"Not finite from the start: {what} holds {_counts(first)} before any"
+      " operation runs."
+    )
+  if first.from_mask:
+    return [
+      *_wrap(
+        f"The loss ({report.loss:.6g}) or a gradient is not finite at loss"
+        f" scale {scale}, though no operation overflowed: a mask's inf"
+        " reaches it. The first operation that carries it beyond the"
+        " positions it masks:"
+      )
+    ]
+  if first.derivative_of is not None:
+    return _wrap(
+      f"Overflow in {first.derivative_of}'s derivative (loss scale"
+      f" {scale}): jax computes it while tracing the forward pass, for the"
+      " backward pass, so it does not depend on the loss scale (the loss"
+      f" is {report.loss:.6g}). It is made by:"
+    )
+  if first.pass_name == "loss scaling":
+    return _wrap(
+      f"Overflow in the loss scaling: the loss times the scale {scale} is"
+      " beyond float16's 65504. The loss is float16: compute it in"
+      " float32, or lower the scale. It is made by:"
+    )
+  return [
+    f"Overflow in the {first.pass_name} pass (loss scale {scale}).",
+    *_wrap(
+      "The first value that is not finite and reaches the loss or the"
+      " gradients is made by:"
+    ),
+  ]
+
+
+def _briefly(o: Overflow) -> str:
+  at = f" at {o.source}" if o.source else ""
+  return f"{o.primitive} ({o.pass_name}){at}"
 
 
 def _wrap(text: str, indent: str = "", hanging: str | None = None) -> list[str]:
@@ -201,6 +316,7 @@ def _wrap(text: str, indent: str = "", hanging: str | None = None) -> list[str]:
     initial_indent=indent,
     subsequent_indent=indent if hanging is None else hanging,
     break_on_hyphens=False,
+    break_long_words=False,
   )
 
 
@@ -223,9 +339,7 @@ def _overflow_lines(o: Overflow) -> list[str]:
     f" {_counts(o)}{largest}",
     hanging=hanging,
   )
-  lines += _wrap(
-    f"{field('scope')}{o.scope or '(no name scope)'}", hanging=hanging
-  )
+  lines += _wrap_path(field("scope"), o.scope or "(no name scope)", "/")
   if o.boundary is not None:
     lines += _wrap(
       f"{field('inside')}a `{o.boundary}`, whose body the finder does not"
@@ -237,10 +351,23 @@ def _overflow_lines(o: Overflow) -> list[str]:
     if o.code:
       lines.append(f"{hanging}  {o.code}")
   if o.call_path:
-    lines += _wrap(
-      f"{field('call path')}{' > '.join(o.call_path)}", hanging=hanging
-    )
+    lines += _wrap_path(field("call path"), " > ".join(o.call_path), " > ")
   return lines
+
+
+def _wrap_path(label: str, path: str, separator: str) -> list[str]:
+  """`label` and `path`, wrapped only after a `separator`: a name is never
+  broken, and one longer than a line stays whole on its own line."""
+  parts = path.split(separator)
+  pieces = [part + separator for part in parts[:-1]] + [parts[-1]]
+  lines = [label]
+  for piece in pieces:
+    if len(lines[-1]) + len(piece.rstrip()) > WIDTH and lines[-1].strip():
+      if lines[-1] != label:
+        lines[-1] = lines[-1].rstrip()
+        lines.append(" " * len(label))
+    lines[-1] += piece.lstrip() if lines[-1].isspace() else piece
+  return [line.rstrip() for line in lines]
 
 
 def _window(report: OverflowReport) -> list[str]:
@@ -273,6 +400,11 @@ def _window(report: OverflowReport) -> list[str]:
     " (Backward values are proportional to the scale; forward values do not"
     " depend on it.)"
   )
+  if report.first is not None:
+    text += (
+      " Infs and NaNs passed on from the value named above are not counted"
+      " here."
+    )
   if checked:
     text += (
       f" Flushed to zero in the backward pass: {flushed} of {checked}"
@@ -323,7 +455,7 @@ def _table(scopes: tuple[ScopeStats, ...]) -> list[str]:
   return lines + _wrap(
     "doublings: how often the largest value can double before it exceeds"
     " 65504, float16's largest number; halvings: how often the smallest"
-    " nonzero one can halve before it falls below 2^-24, float16's"
+    " nonzero one can halve before it falls below 2**-24, float16's"
     " smallest; flushed: the share of values that float16 rounded to zero"
     " where the same operation in float32, from the same inputs, is not"
     " zero."

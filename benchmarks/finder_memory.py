@@ -1,0 +1,138 @@
+"""Peak memory of `find_overflow` against a plain `jax.value_and_grad` on the
+same batch, through an MLP in float16 (float32 master weights).
+
+Two measures, each variant in a fresh process so that neither sees the
+other's allocations:
+
+- `compiled`: the compiled program's buffers (`memory_analysis()`:
+  temporaries, arguments and outputs), which XLA fixes at compile time;
+- `rss`: how much the process's peak resident memory grows from before the
+  function is traced to after its result is on the host (tracing,
+  compiling and running included).
+
+  python benchmarks/finder_memory.py            # batch 4096, 16 x 512
+  python benchmarks/finder_memory.py --tiny     # seconds, for the smoke test
+  python benchmarks/finder_memory.py --batch 1024 --depth 8 --width 256
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def mlp_loss(params, x):
+  for w in params:
+    x = jnp.tanh(x @ w.astype(jnp.float16))
+  return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+def _problem(args):
+  keys = jax.random.split(jax.random.key(0), args.depth + 1)
+  params = [
+    jax.random.normal(k, (args.width, args.width)) / args.width**0.5
+    for k in keys[1:]
+  ]
+  x = jax.random.normal(keys[0], (args.batch, args.width), jnp.float16)
+  return params, x
+
+
+def _peak_rss_bytes():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux
+
+
+def _measure(variant, args):
+  """One variant, in this process: its compiled buffers, RSS growth and
+  wall time."""
+  import optax_lossscale as ols
+  from optax_lossscale._diagnostics import overflow as _overflow
+
+  params, x = _problem(args)
+  jax.block_until_ready((params, x))
+  before = _peak_rss_bytes()
+  start = time.perf_counter()
+  if variant == "plain":
+    compiled = jax.jit(jax.value_and_grad(mlp_loss)).lower(params, x).compile()
+    jax.block_until_ready(compiled(params, x))
+  else:
+    report = ols.find_overflow(mlp_loss, params, x)
+    assert not report, str(report)
+  seconds = time.perf_counter() - start
+  rss_growth = _peak_rss_bytes() - before
+  if variant == "finder":  # the same program, compiled again to read it
+    compiled = _overflow.compiled_program(mlp_loss, params, x)
+  m = compiled.memory_analysis()
+  return {
+    "variant": variant,
+    "compiled_bytes": m.temp_size_in_bytes
+    + m.argument_size_in_bytes
+    + m.output_size_in_bytes,
+    "rss_growth_bytes": rss_growth,
+    "seconds": seconds,
+  }
+
+
+def _in_fresh_process(variant, argv):
+  """`_measure(variant)` in a new process, importing this repository's
+  package."""
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+  out = subprocess.run(
+    [sys.executable, __file__, *argv, "--variant", variant],
+    check=True,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "PYTHONPATH": path},
+  ).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _parser():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--batch", type=int, default=4096)
+  p.add_argument("--depth", type=int, default=16)
+  p.add_argument("--width", type=int, default=512)
+  p.add_argument("--tiny", action="store_true", help="batch 64, 2 x 32")
+  p.add_argument(
+    "--variant", choices=["plain", "finder"], help=argparse.SUPPRESS
+  )
+  return p
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _parser().parse_args(argv)
+  if args.tiny:
+    args.batch, args.depth, args.width = 64, 2, 32
+  if args.variant:
+    print(json.dumps(_measure(args.variant, args)))
+    return None
+  size = ["--batch", str(args.batch), "--depth", str(args.depth)]
+  size += ["--width", str(args.width)]
+  results = [_in_fresh_process(v, size) for v in ("plain", "finder")]
+  print(
+    f"device: {jax.devices()[0].device_kind}, jax {jax.__version__};"
+    f" batch {args.batch} through {args.depth} x {args.width}"
+  )
+  print(f"{'variant':8} {'compiled MB':>12} {'RSS growth MB':>14} {'s':>7}")
+  for r in results:
+    print(
+      f"{r['variant']:8} {r['compiled_bytes'] / 2**20:12.1f}"
+      f" {r['rss_growth_bytes'] / 2**20:14.1f} {r['seconds']:7.2f}"
+    )
+  plain, finder = results
+  for key in ("compiled_bytes", "rss_growth_bytes"):
+    ratio = finder[key] / max(plain[key], 1)
+    print(f"finder / plain, {key}: {ratio:.2f}x")
+  return results
+
+
+if __name__ == "__main__":
+  main()
