@@ -281,6 +281,33 @@ MISUSE = Section(
       "ols.set_loss_scale(static, 0.5)\n",
     ),
     Case(
+      "A state of the other mode, or of another `leaf_stats`",
+      "dynamic = ols.loss_scale_optimizer(sgd)\n"
+      "static = ols.loss_scale_optimizer(\n"
+      "  sgd, dynamic=False, initial_scale=8.0\n"
+      ")\n"
+      "dynamic.update(params, static.init(params), params)\n"
+      "counted = ols.loss_scale_optimizer(sgd, leaf_stats=True)\n"
+      "counted.update(params, dynamic.init(params), params)\n",
+      "The state must come from a transformation of the same mode and the"
+      " same `leaf_stats`: carry a scale over with `set_loss_scale`.",
+    ),
+    Case(
+      "A `value` that is not a real scalar",
+      "tx = ols.loss_scale_optimizer(sgd)\n"
+      "tx.update(params, tx.init(params), params, value=jnp.ones(2))\n"
+      'tx.update(params, tx.init(params), params, value="nan")\n',
+    ),
+    Case(
+      "A report of a state by a transformation that did not make it",
+      "state = ols.loss_scale_optimizer(sgd).init(params)\n"
+      "ols.skip_report(state, sgd)\n"
+      "counted = ols.loss_scale_optimizer(sgd, leaf_stats=True)\n"
+      "ols.skip_report(state, counted)\n"
+      "tx = ols.loss_scale_optimizer(sgd)\n"
+      "ols.raise_if_stuck(state, tx, max_skips_at_floor=0)\n",
+    ),
+    Case(
       "`value_and_grad` options",
       'loss_fn = lambda p: jnp.sum(p["a"])\n'
       "ols.value_and_grad(loss_fn, has_aux=1)\n"
