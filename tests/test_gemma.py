@@ -31,7 +31,6 @@ import _gemma
 import jax
 import numpy as np
 import optax
-import pytest
 from _helpers import assert_trees_equal
 
 import optax_lossscale as ols
@@ -169,11 +168,6 @@ def test_attention_logits_beyond_65504_report():
   assert "still coming down" not in text
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder names Gemma's mask constant (convert_element_type in"
-  " layer_0/attn), which float16 makes -inf, as the overflow",
-)
 def test_attention_logits_beyond_65504_finder():
   first = first_overflow(ATTENTION, BATCH)
   assert first.pass_name == "forward"
@@ -193,12 +187,6 @@ def test_gelu_cube_overflow_report():
   assert_float16_range_not_a_bug(diagnosis(opt_state))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder names Gemma's mask constant in layer_0/attn; under it,"
-  " the forward cube (harmless: tanh saturates) rather than the cube's"
-  " derivative that makes the gradients NaN",
-)
 def test_gelu_cube_overflow_finder():
   first = first_overflow(GELU, BATCH)
   # The cube's own inf is harmless (tanh(inf) is 1 and the loss is
@@ -251,11 +239,6 @@ def test_inf_loss_with_finite_gradients_is_skipped_and_counted():
   assert "no step was skipped" not in text
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder names Gemma's mask constant in layer_0/attn; under it,"
-  " it says 'No overflow' for an inf loss",
-)
 def test_inf_loss_with_finite_gradients_finder():
   first = first_overflow(PARAMS, _batches(1, pad=True)[0])
   assert first.pass_name == "forward"
@@ -277,11 +260,6 @@ def test_backward_overflow_at_2_24_report():
   assert "finding its level" in diagnosis(opt_state, tx)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder names Gemma's mask constant (forward, layer_0/attn),"
-  " not the decode matmul's gradient (backward)",
-)
 def test_backward_overflow_at_2_24_finder():
   first = first_overflow(PARAMS, BATCH, scale=2.0**24)
   assert first.pass_name == "backward"
@@ -316,11 +294,6 @@ def test_rsqrt_derivative_at_a_tiny_variance_report():
   assert_float16_range_not_a_bug(diagnosis(opt_state))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder names a forward `div` (rsqrt's derivative, computed"
-  " while the forward pass is traced), not rsqrt's derivative",
-)
 def test_rsqrt_derivative_at_a_tiny_variance_finder():
   first = first_overflow(SMALL_EMBEDDINGS, BATCH)
   assert first.pass_name == "backward"
@@ -338,23 +311,12 @@ def test_healthy_steps_report_nothing():
   assert "no step was skipped" in diagnosis(opt_state)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the finder reports Gemma's mask constant, -inf in float16, as an"
-  " overflow on every step",
-)
 def test_a_healthy_step_has_no_overflow_and_the_mask_is_none():
   report = find_overflow(PARAMS, BATCH)
   assert not report, str(report)
   assert np.isfinite(report.loss)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=RuntimeWarning,
-  reason="numpy's 'overflow encountered in cast' (the mask constant cast to"
-  " float16 while the finder evaluates the program) leaks out of the finder",
-)
 def test_the_finder_lets_no_numpy_warning_out():
   with warnings.catch_warnings():
     warnings.simplefilter("error")

@@ -239,49 +239,6 @@ def name_scopes(eqn: Any) -> tuple[tuple[str, ...], bool]:
   return tuple(names), transposed
 
 
-# Not compatibility code: the overflow finder's compile options, here until
-# the finder holds them.
-#
-# XLA:CPU compiles a program kernel by kernel; a program that reads every
-# intermediate value (the overflow finder's) has a kernel for nearly every
-# operation. The older elemental emitters compile those several times
-# faster, and LLVM's optimization level trades compile time against the
-# speed of the code: level 0 wins for small programs, level 1 from about
-# 2**27 values read (the float16 study's model at 97k parameters crosses
-# it between 8192 and 32768 tokens). Debug options of XLA, not an API: a
-# jaxlib that lacks one compiles without it.
-_QUICK_CPU_COMPILE = {
-  "xla_cpu_use_fusion_emitters": False,
-  "xla_backend_optimization_level": 0,
-}
-_LARGE_CPU_COMPILE = {
-  "xla_cpu_use_fusion_emitters": False,
-  "xla_backend_optimization_level": 1,
-}
-LARGE = 2**27  # elements a program reads, above which its code must be fast
-
-
-def compile_for_one_run(lowered: Any, elements: int) -> Any:
-  """`lowered.compile()` for a program that runs once and reads about
-  `elements` values: on XLA:CPU, compiled quickly (see
-  `_QUICK_CPU_COMPILE`). An option this jaxlib does not know (it says
-  which) is left out."""
-  options: dict[str, Any] = {}
-  if jax.default_backend() == "cpu":
-    options = dict(
-      _LARGE_CPU_COMPILE if elements > LARGE else _QUICK_CPU_COMPILE
-    )
-  while options:
-    try:
-      return lowered.compile(compiler_options=options)
-    except Exception as e:  # refused before compiling: cheap to retry
-      unknown = [name for name in options if name in str(e)]
-      if not unknown:
-        break
-      del options[unknown[0]]
-  return lowered.compile()
-
-
 def shard_map(
   f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any
 ) -> Callable[..., Any]:
