@@ -21,11 +21,13 @@ and the wait for the result; back to back, dispatch overlaps device work.
 """
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +36,14 @@ import optax
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 import optax_lossscale as ols
-from optax_lossscale._core import rule as _rule
 
-# The package's private skip, named here only: a rename of its module is a
-# change of this line (see `update_unless` and `skip_traced_as`).
-from optax_lossscale._core import skip as _skip_module
-
-_PACKAGE_UPDATE_UNLESS = _skip_module.update_unless
+# The one private name in these benchmarks: the skip's switch
+# `update_unless(..., rewrite=False)`, which replaces the selection of each
+# inner-state value where the inner update makes it by a plain select after
+# the update. Only the `ours_select_after` variant uses it, to measure what
+# the rewrite alone buys; nothing public turns the rewrite off. A rename in
+# the package is a change of this line and of `_rewrite_off`.
+from optax_lossscale._core import skip as _skip
 
 SCALE = 2.0**15
 
@@ -79,59 +82,95 @@ def _inner(opt: str):
   raise ValueError(f"unknown --opt {opt!r}")
 
 
-def update_unless(finite, update, old_state, *, rewrite):
-  """The package's skip of `update` unless `finite`, with its private switch:
-  `rewrite=True` selects each new-state value where it is made (the
-  default), `rewrite=False` selects after the update.
+@contextlib.contextmanager
+def _rewrite_off():
+  """While inside, the package's skip traces as a plain select after the
+  inner update (its `rewrite=False`); a compiled step keeps what it was
+  traced with. Raises if the package's update did not call the skip (the
+  package was reorganized: update the import of `_skip` above)."""
+  original = _skip.update_unless
+  called = []
 
-  The one place that calls it: a rename of the argument is a change here.
-  """
-  return _PACKAGE_UPDATE_UNLESS(finite, update, old_state, rewrite=rewrite)
+  def select_after(*args, **kwargs):
+    called.append(True)
+    return original(*args, **{**kwargs, "rewrite": False})
+
+  _skip.update_unless = select_after
+  try:
+    yield
+  finally:
+    _skip.update_unless = original
+  if not called:
+    raise RuntimeError(
+      "loss_scale_optimizer's update no longer calls"
+      " optax_lossscale._core.skip.update_unless; update the import of"
+      " `_skip` in benchmarks/overhead.py"
+    )
 
 
-def skip_traced_as(tx, skip):
-  """`tx` (made by `loss_scale_optimizer`) with its skip traced as
-  `skip(finite, update, old_state) -> (updates, new_state)`.
-
-  While the returned `update` traces, the package's `update_unless` is
-  replaced by `skip`; a compiled step keeps what it was traced with.
-  Raises if the package's update did not call it (the package was
-  reorganized: update `update_unless` above).
-  """
+def select_after(tx):
+  """`tx` (made by `loss_scale_optimizer`) with its skip traced as a plain
+  select after the inner update (see `_rewrite_off`)."""
 
   def update(updates, state, params=None, **extra_args):
-    called = []
-
-    def replaced(finite, inner_update, old_state, **kwargs):
-      del kwargs
-      called.append(True)
-      return skip(finite, inner_update, old_state)
-
-    _skip_module.update_unless = replaced
-    try:
-      out = tx.update(updates, state, params, **extra_args)
-    finally:
-      _skip_module.update_unless = _PACKAGE_UPDATE_UNLESS
-    if not called:
-      raise RuntimeError(
-        "loss_scale_optimizer's update no longer calls"
-        " optax_lossscale._core.skip.update_unless; update the import of"
-        " `_skip_module` in benchmarks/overhead.py"
-      )
-    return out
+    with _rewrite_off():
+      return tx.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def select_after(tx):
-  """`tx` with its skip traced as a plain select after the inner update
-  (`update_unless(..., rewrite=False)`; see `skip_traced_as`)."""
-  return skip_traced_as(
-    tx,
-    lambda finite, update, old_state: update_unless(
-      finite, update, old_state, rewrite=False
-    ),
-  )
+class UsualState(NamedTuple):
+  """The state of the usual `where` skip: the inner state, the loss scale
+  and the count of finite steps since the scale last changed."""
+
+  inner_state: optax.OptState
+  scale: jax.Array
+  counter: jax.Array
+
+
+def _usual_rule(scale, counter, finite, growth_steps=2000):
+  """The Keras rule, written out as users write it: grow by 2 after
+  `growth_steps` finite steps in a row (if the result is finite), halve on a
+  non-finite step (not below 1)."""
+  grow = counter + 1 >= growth_steps
+  grown = jnp.where(jnp.isfinite(scale * 2), scale * 2, scale)
+  finite_scale = jnp.where(grow, grown, scale)
+  new_scale = jnp.where(finite, finite_scale, jnp.maximum(scale / 2, 1.0))
+  new_counter = jnp.where(finite & ~grow, counter + 1, 0)
+  return new_scale, new_counter
+
+
+def usual_where(inner):
+  """`(init, step(params, state, grads))`: the skip as usually written:
+  divide, `all(isfinite)` per leaf on the unscaled gradients, inner update,
+  `jnp.where` over updates and inner state, the scale rule written out.
+  `state.scale` is what the loss is multiplied by."""
+
+  def init(params):
+    return UsualState(
+      inner.init(params), jnp.float32(SCALE), jnp.zeros([], jnp.int32)
+    )
+
+  def step(params, state, grads):
+    unscaled = jax.tree.map(
+      lambda g: (g.astype(jnp.float32) / state.scale).astype(g.dtype), grads
+    )
+    finite = jnp.all(
+      jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled)])
+    )
+    updates, inner_state = inner.update(unscaled, state.inner_state, params)
+    updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
+    inner_state = jax.tree.map(
+      lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+      inner_state,
+      state.inner_state,
+    )
+    scale, counter = _usual_rule(state.scale, state.counter, finite)
+    return optax.apply_updates(params, updates), UsualState(
+      inner_state, scale, counter
+    )
+
+  return init, step
 
 
 def optax_step(tx):
@@ -157,36 +196,7 @@ def _make_variant(name: str, inner):
   if name == "apply_if_finite":
     return optax_step(optax.apply_if_finite(inner, max_consecutive_errors=5))
   if name == "usual_where":
-    # The skip as usually written: divide, `all(isfinite)` per leaf on the
-    # unscaled gradients, inner update, `jnp.where` over updates and inner
-    # state (the same scale rule as ours).
-    tx = ols.loss_scale_optimizer(inner)
-
-    def step(params, state, grads):
-      ls_state = state.loss_scale_state
-      unscaled = jax.tree.map(
-        lambda g: (g.astype(jnp.float32) / ls_state.loss_scale).astype(g.dtype),
-        grads,
-      )
-      finite = jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled)])
-      )
-      updates, inner_state = inner.update(unscaled, state.inner_state, params)
-      updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
-      inner_state = jax.tree.map(
-        lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
-        inner_state,
-        state.inner_state,
-      )
-      state = state._replace(
-        loss_scale_state=_rule.next_state(
-          ls_state, _rule.outcome_of(finite), tx.loss_scale_config
-        ),
-        inner_state=inner_state,
-      )
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
+    return usual_where(inner)
   if name == "jmp":
     # jmp's loss-scale pytree cannot be passed to `jit(...).lower`, so the
     # state carries its two arrays and the object is rebuilt inside the step.
@@ -290,7 +300,7 @@ def run_config(
   """Benchmarks one configuration; returns {variant: result dict}.
 
   `make_variant(name, inner) -> (init, step)` builds the variants (default:
-  this script's); `benchmarks/alternatives.py` passes its own.
+  this script's).
   """
   make_variant = make_variant or _make_variant
   inner = _inner(opt)
