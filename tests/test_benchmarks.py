@@ -67,6 +67,14 @@ def test_compile_time_tiny(capsys):
   assert isinstance(module.target_met(results), bool)
 
 
+def test_leaf_stats_tiny(capsys):
+  results = _load("leaf_stats").main(["--tiny"])
+  out = capsys.readouterr().out
+  assert "device:" in out and "leaf_stats" in out
+  for seconds in (*results["run_s"].values(), *results["compile_s"].values()):
+    assert seconds > 0 and math.isfinite(seconds)
+
+
 def test_compile_time_gpt_has_148_leaves_at_12_blocks():
   """The model the compile-time target is stated for."""
   module = _load("compile_time")
