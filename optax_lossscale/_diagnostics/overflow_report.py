@@ -4,12 +4,9 @@ each scope's float16 values run to float16's two edges, in words."""
 import dataclasses
 import html
 import math
-import textwrap
 from typing import Any
 
-F16_MAX = 65504.0  # float16's largest finite number
-F16_TINY = 2.0**-24  # float16's smallest positive (subnormal) number
-WIDTH = 79  # of the text, for a terminal and a notebook alike
+from optax_lossscale._diagnostics import format as _format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +131,9 @@ class ScopeStats:
     """How many times every value can double before one exceeds float16's
     largest number (65504); None when nothing finite and nonzero was made
     or a value is already not finite."""
-    if self.nonfinite or not 0 < self.largest <= F16_MAX:
+    if self.nonfinite or not 0 < self.largest <= _format.FLOAT16_MAX:
       return None
-    return math.floor(math.log2(F16_MAX / self.largest))
+    return math.floor(math.log2(_format.FLOAT16_MAX / self.largest))
 
   @property
   def halvings(self) -> int | None:
@@ -144,7 +141,7 @@ class ScopeStats:
     below float16's smallest subnormal (2**-24); None without one."""
     if not 0 < self.smallest < math.inf:
       return None
-    return math.floor(math.log2(self.smallest / F16_TINY))
+    return math.floor(math.log2(self.smallest / _format.FLOAT16_SMALLEST))
 
   @property
   def flushed_share(self) -> float | None:
@@ -218,41 +215,31 @@ class OverflowReport:
     return f"<pre>{html.escape(str(self))}</pre>"
 
 
-def format_scale(scale: float) -> str:
-  """`2**15 (32768)` for a power of two, else the number."""
-  if scale > 0 and math.isfinite(scale):
-    exponent = math.log2(scale)
-    if exponent == int(exponent) and scale != 1:
-      number = str(int(scale)) if scale >= 1 else f"{scale:g}"
-      return f"2**{int(exponent)} ({number})"
-  return f"{scale:g}"
-
-
 def _verdict(report: OverflowReport) -> list[str]:
   first = report.first
   if first is None:
-    lines = _wrap(
+    lines = _format.wrap(
       "No overflow: the loss and every gradient are finite at loss scale"
-      f" {format_scale(report.scale)} (loss {report.loss:.6g})."
+      f" {_format.scale_with_value(report.scale)} (loss {report.loss:.6g})."
     )
   else:
     lines = [*_head(report, first), *_overflow_lines(first)]
     carried = report.nonfinite_operations
     if carried > 1:
-      lines += _wrap(
+      lines += _format.wrap(
         f"{carried} operations hold values that are not finite in all:"
         " passed on from this one, or a mask's.",
         indent="  ",
       )
   if report.masks:
-    lines += _wrap(
+    lines += _format.wrap(
       "Masks (infs written in the code or passed in, and values that become"
       " infs once cast to float16; what they pass on is not an overflow): "
       + "; ".join(report.masks)
       + "."
     )
   if report.discarded:
-    lines += _wrap(
+    lines += _format.wrap(
       "Discarded (not finite, but reaching neither the loss nor the"
       " gradients, as where a `where` drops them): "
       + "; ".join(_briefly(o) for o in report.discarded)
@@ -262,20 +249,20 @@ def _verdict(report: OverflowReport) -> list[str]:
 
 
 def _head(report: OverflowReport, first: Overflow) -> list[str]:
-  scale = format_scale(report.scale)
+  scale = _format.scale_with_value(report.scale)
   if first.pass_name in ("input", "constant"):
     what = (
       f"the input `{first.primitive}`"
       if first.pass_name == "input"
       else "an array `fun` closes over"
     )
-    return _wrap(
+    return _format.wrap(
       f"Not finite from the start: {what} holds {_counts(first)} before any"
       " operation runs."
     )
   if first.from_mask:
     return [
-      *_wrap(
+      *_format.wrap(
         f"The loss ({report.loss:.6g}) or a gradient is not finite at loss"
         f" scale {scale}, though no operation overflowed: a mask's inf"
         " reaches it. The first operation that carries it beyond the"
@@ -283,21 +270,21 @@ def _head(report: OverflowReport, first: Overflow) -> list[str]:
       )
     ]
   if first.derivative_of is not None:
-    return _wrap(
+    return _format.wrap(
       f"Overflow in {first.derivative_of}'s derivative (loss scale"
       f" {scale}): jax computes it while tracing the forward pass, for the"
       " backward pass, so it does not depend on the loss scale (the loss"
       f" is {report.loss:.6g}). It is made by:"
     )
   if first.pass_name == "loss scaling":
-    return _wrap(
+    return _format.wrap(
       f"Overflow in the loss scaling: the loss times the scale {scale} is"
       " beyond float16's 65504. The loss is float16: compute it in"
       " float32, or lower the scale. It is made by:"
     )
   return [
     f"Overflow in the {first.pass_name} pass (loss scale {scale}).",
-    *_wrap(
+    *_format.wrap(
       "The first value that is not finite and reaches the loss or the"
       " gradients is made by:"
     ),
@@ -307,17 +294,6 @@ def _head(report: OverflowReport, first: Overflow) -> list[str]:
 def _briefly(o: Overflow) -> str:
   at = f" at {o.source}" if o.source else ""
   return f"{o.primitive} ({o.pass_name}){at}"
-
-
-def _wrap(text: str, indent: str = "", hanging: str | None = None) -> list[str]:
-  return textwrap.wrap(
-    text,
-    WIDTH,
-    initial_indent=indent,
-    subsequent_indent=indent if hanging is None else hanging,
-    break_on_hyphens=False,
-    break_long_words=False,
-  )
 
 
 def _counts(o: Overflow) -> str:
@@ -334,20 +310,20 @@ def _overflow_lines(o: Overflow) -> list[str]:
     largest += " (float16's largest is 65504)"
   field = "  {:<11}".format
   hanging = field("")
-  lines = _wrap(
+  lines = _format.wrap(
     f"{field('operation')}{o.primitive} -> {o.dtype}[{shape}]:"
     f" {_counts(o)}{largest}",
     hanging=hanging,
   )
   lines += _wrap_path(field("scope"), o.scope or "(no name scope)", "/")
   if o.boundary is not None:
-    lines += _wrap(
+    lines += _format.wrap(
       f"{field('inside')}a `{o.boundary}`, whose body the finder does not"
       " enter: the value was made in it",
       hanging=hanging,
     )
   if o.source is not None:
-    lines += _wrap(f"{field('source')}{o.source}", hanging=hanging)
+    lines += _format.wrap(f"{field('source')}{o.source}", hanging=hanging)
     if o.code:
       lines.append(f"{hanging}  {o.code}")
   if o.call_path:
@@ -362,7 +338,9 @@ def _wrap_path(label: str, path: str, separator: str) -> list[str]:
   pieces = [part + separator for part in parts[:-1]] + [parts[-1]]
   lines = [label]
   for piece in pieces:
-    if len(lines[-1]) + len(piece.rstrip()) > WIDTH and lines[-1].strip():
+    if (
+      len(lines[-1]) + len(piece.rstrip()) > _format.WIDTH and lines[-1].strip()
+    ):
       if lines[-1] != label:
         lines[-1] = lines[-1].rstrip()
         lines.append(" " * len(label))
@@ -374,11 +352,11 @@ def _window(report: OverflowReport) -> list[str]:
   """The loss-scale window the backward pass's float16 values leave."""
   backward = [s for s in report.scopes if s.pass_name == "backward"]
   if not backward:
-    return _wrap(
+    return _format.wrap(
       "No float16 value in the backward pass: the loss scale has no float16"
       " range to fit."
     )
-  scale = format_scale(report.scale)
+  scale = _format.scale_with_value(report.scale)
   largest = max(s.largest for s in backward)
   flushed = sum(s.flushed for s in backward)
   checked = sum(s.flush_checked for s in backward)
@@ -388,7 +366,7 @@ def _window(report: OverflowReport) -> list[str]:
       " all finite."
     )
   elif largest > 0:
-    room = math.floor(math.log2(F16_MAX / largest))
+    room = math.floor(math.log2(_format.FLOAT16_MAX / largest))
     text = (
       f"At loss scale {scale}, the backward pass's largest float16"
       f" magnitude is {largest:.4g}: the scale can double {room} more"
@@ -408,17 +386,9 @@ def _window(report: OverflowReport) -> list[str]:
   if checked:
     text += (
       f" Flushed to zero in the backward pass: {flushed} of {checked}"
-      f" float16 values ({_percent(flushed / checked)})."
+      f" float16 values ({_format.percent(flushed / checked)})."
     )
-  return _wrap(text)
-
-
-def _percent(share: float) -> str:
-  if share == 0:
-    return "0%"
-  if share < 0.0001:
-    return "<0.01%"
-  return f"{100 * share:.2f}%"
+  return _format.wrap(text)
 
 
 _HEADER = (
@@ -452,7 +422,7 @@ def _table(scopes: tuple[ScopeStats, ...]) -> list[str]:
     if rows:
       lines += [f"Float16 values of the {pass_name} pass, per scope:"]
       lines += [line(_HEADER), *map(line, rows), ""]
-  return lines + _wrap(
+  return lines + _format.wrap(
     "doublings: how often the largest value can double before it exceeds"
     " 65504, float16's largest number; halvings: how often the smallest"
     " nonzero one can halve before it falls below 2**-24, float16's"
@@ -476,5 +446,5 @@ def _row(s: ScopeStats) -> tuple[str, ...]:
     count(s.doublings),
     smallest,
     count(s.halvings),
-    "-" if share is None else _percent(share),
+    "-" if share is None else _format.percent(share),
   )

@@ -37,8 +37,8 @@ from optax_lossscale._diagnostics.finder.statistics import (
   SMALLEST,
   UNKNOWN,
 )
+from optax_lossscale._diagnostics.format import FLOAT16_MAX
 from optax_lossscale._diagnostics.overflow_report import (
-  F16_MAX,
   Overflow,
   OverflowReport,
   ScopeStats,
@@ -156,7 +156,7 @@ class Analysis:
     huge = [
       j
       for j in self._origins(node.inputs)
-      if self.largest[j] > F16_MAX or self.nonfinite[j]
+      if self.largest[j] > FLOAT16_MAX or self.nonfinite[j]
     ]
     return bool(huge) and all(
       self.nodes[j].static or self.nodes[j].kind == _graph.INPUT for j in huge
