@@ -159,13 +159,25 @@ def _collected_whole(config, prefix):
   return False
 
 
-# Under `--dist loadfile` xdist hands out files in collection order; the
-# longest start first, so that no core waits at the end for one of them.
-FIRST = ("test_study.py", "test_benchmarks.py", "test_optax_sweep.py")
+# Under `--dist loadfile --no-loadscope-reorder` xdist hands out files in
+# collection order; the longest start first, so that no core waits at the
+# end for one of them.
+FIRST = (
+  "test_study.py",
+  "test_benchmarks.py",
+  "test_optax_sweep.py",
+  "test_examples.py",
+  "test_sharding.py",
+  "test_doc_snippets.py",
+)
 
 
 def _longest_first(items):
-  items.sort(key=lambda item: item.path.name not in FIRST)  # stable
+  def rank(item):
+    name = item.path.name
+    return FIRST.index(name) if name in FIRST else len(FIRST)
+
+  items.sort(key=rank)  # stable: the order within each file is kept
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook; absent with -p no:xdist
