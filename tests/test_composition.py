@@ -39,9 +39,12 @@ def _run(tx, grads_seq, params=None, scaled=True):
   """Runs `tx` on gradient functions of the current scale."""
   params = _params() if params is None else params
   state = tx.init(params)
+  # One jit for the loop: `jax.jit` of a fresh bound method (MultiSteps's
+  # update) finds no cached trace and compiles again.
+  update = jax.jit(tx.update)
   for g in grads_seq:
     grads = g(ols.loss_scale(state)) if scaled else g(1.0)
-    updates, state = jax.jit(tx.update)(grads, state, params)
+    updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
   return params, state
 
@@ -314,21 +317,22 @@ def test_multisteps_inside_overflowing_microbatch_skipped_entirely():
     jax.tree.map(lambda g: -g, _grads()),
   ]
 
+  update = jax.jit(tx.update)  # once: see _run
   # micro-batch 0: good
-  u, state = jax.jit(tx.update)(
+  u, state = update(
     jax.tree.map(lambda g: g * ols.loss_scale(state), micro[0]), state, params
   )
   after_good = _ms_state(state)
   assert int(after_good.mini_step) == 1
   # an overflowing micro-batch: skipped entirely, the scale backs off
-  u, state = jax.jit(tx.update)(_bad(ols.loss_scale(state)), state, params)
+  u, state = update(_bad(ols.loss_scale(state)), state, params)
   assert_trees_equal(_ms_state(state), after_good, bitwise=False)
   assert float(ols.loss_scale(state)) == S / 2
   assert_trees_equal(u, jax.tree.map(jnp.zeros_like, params), bitwise=False)
   # micro-batches 1 and 2, at the new scale: the window completes
   for m in micro[1:]:
     scale = ols.loss_scale(state)
-    u, state = jax.jit(tx.update)(
+    u, state = update(
       jax.tree.map(lambda g, scale=scale: g * scale, m), state, params
     )
   assert int(_ms_state(state).mini_step) == 0
@@ -336,9 +340,9 @@ def test_multisteps_inside_overflowing_microbatch_skipped_entirely():
   # ... with exactly the update of MultiSteps on the unscaled micro-batches,
   # although they were scaled by different scales.
   ref = optax.MultiSteps(optax.adam(1e-2), K)
-  rstate = ref.init(params)
+  rstate, ref_update = ref.init(params), jax.jit(ref.update)
   for m in micro:
-    ru, rstate = jax.jit(ref.update)(m, rstate, params)
+    ru, rstate = ref_update(m, rstate, params)
   assert_trees_equal(u, ru, bitwise=False)
   assert_trees_equal(_ms_state(state), rstate, bitwise=False)
 
@@ -384,11 +388,11 @@ def test_multisteps_outside_nan_poisons_accumulator_forever():
   state = tx.init(params)
   assert float(ols.loss_scale(state)) == S  # lookup through MultiSteps
   seq = [False, True, False] + [False] * (3 * K)
-  start = params
+  start, update = params, jax.jit(tx.update)  # once: see _run
   for i, is_bad in enumerate(seq):
     scale = ols.loss_scale(state)
     grads = _bad(scale) if is_bad else _grads(scale)
-    u, state = jax.jit(tx.update)(grads, state, params)
+    u, state = update(grads, state, params)
     params = optax.apply_updates(params, u)
     if i >= 1:
       assert not bool(ols.all_finite(state.acc_grads))  # poisoned
@@ -410,15 +414,15 @@ def test_multisteps_outside_scale_constant_within_window():
   )
   params = _params()
   state = tx.init(params)
-  scales = []
+  scales, update = [], jax.jit(tx.update)  # once: see _run
   for _ in range(2 * K):
     scales.append(float(ols.loss_scale(state)))
-    u, state = jax.jit(tx.update)(_grads(ols.loss_scale(state)), state, params)
+    u, state = update(_grads(ols.loss_scale(state)), state, params)
   assert scales == [S] * K + [2 * S] * K
   ref = optax.MultiSteps(optax.adam(1e-2), K)
-  rstate = ref.init(params)
+  rstate, ref_update = ref.init(params), jax.jit(ref.update)
   for _ in range(2 * K):
-    ru, rstate = jax.jit(ref.update)(_grads(), rstate, params)
+    ru, rstate = ref_update(_grads(), rstate, params)
   assert_trees_equal(u, ru, bitwise=False)
 
 
@@ -432,9 +436,9 @@ def test_multisteps_outside_with_skip_not_finite_never_backs_off():
     should_skip_update_fn=optax.skip_not_finite,
   )
   params = _params()
-  state = tx.init(params)
+  state, update = tx.init(params), jax.jit(tx.update)  # once: see _run
   for _ in range(2 * K):
-    _, state = jax.jit(tx.update)(_bad(ols.loss_scale(state)), state, params)
+    _, state = update(_bad(ols.loss_scale(state)), state, params)
   assert float(ols.loss_scale(state)) == S  # never backed off
   assert int(ols.skip_stats(state).total_skipped) == 0
   assert int(state.gradient_step) == 0  # stalled

@@ -166,7 +166,28 @@ def extra_args(qualname, params):
   return dict(value=loss(params), grad=jax.grad(loss)(params), value_fn=loss)
 
 
-@pytest.mark.parametrize("qualname", sorted(set(FACTORIES) - set(EXCLUDED)))
+# The slowest to evaluate op by op (line searches, matrix methods): 5 to 20
+# CPU seconds each; `-m "not slow"` leaves them out.
+SLOW = (
+  "optax.lbfgs",
+  "optax.scale_by_zoom_linesearch",
+  "optax.contrib.sophia",
+  "optax.contrib.muon",
+  "optax.contrib.galore",
+  "optax.contrib.scale_by_galore",
+  "optax.contrib.mechanize",
+  "optax.add_noise",
+)
+
+
+def _cases():
+  return [
+    pytest.param(q, marks=pytest.mark.slow) if q in SLOW else q
+    for q in sorted(set(FACTORIES) - set(EXCLUDED))
+  ]
+
+
+@pytest.mark.parametrize("qualname", _cases())
 def test_wrapped_like_plain(qualname, monkeypatch):
   forbid_fallback(monkeypatch)
   inner = build(qualname)
@@ -217,3 +238,4 @@ def test_wrapped_like_plain(qualname, monkeypatch):
 def test_the_exclusions_are_real_names():
   assert set(EXCLUDED) <= set(FACTORIES)
   assert set(SPECIAL) <= set(FACTORIES)
+  assert set(SLOW) <= set(FACTORIES) - set(EXCLUDED)
