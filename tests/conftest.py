@@ -67,6 +67,17 @@ SLOW = {
     "test_bad_batch_job_prints_reads_back_and_draws": "same",
     "test_notebook_executes_and_draws": "runs the notebook in a kernel",
   },
+  "tests/test_gemma.py": {
+    # Each runs the finder on the Gemma-style model (about 10 s); the
+    # healthy step's and the mask's case stays in the fast subset.
+    "test_attention_logits_beyond_65504_finder": "the finder on the model",
+    "test_gelu_cube_overflow_finder": "same",
+    "test_nan_batches_finder": "same",
+    "test_inf_loss_with_finite_gradients_finder": "same",
+    "test_backward_overflow_at_2_24_finder": "same",
+    "test_rsqrt_derivative_at_a_tiny_variance_finder": "same",
+    "test_the_finder_lets_no_numpy_warning_out": "same",
+  },
   "tests/test_benchmarks.py": {
     "test_compile_time_tiny": "compiles many programs",
     "test_compile_time_passes_tiny": "compiles many programs",
@@ -165,6 +176,7 @@ def _collected_whole(config, prefix):
 FIRST = (
   "test_study.py",
   "test_benchmarks.py",
+  "test_gemma.py",
   "test_optax_sweep.py",
   "test_examples.py",
   "test_sharding.py",
