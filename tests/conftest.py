@@ -80,14 +80,12 @@ SLOW = {
   },
   "tests/test_benchmarks.py": {
     "test_compile_time_tiny": "compiles many programs",
-    "test_compile_time_passes_tiny": "compiles many programs",
     "test_train_step_tiny": "times several train steps",
     "test_device_time_tiny": "profiles several train steps",
     "test_sharded_tiny_report": "the `sharded_tiny` fixture: every mesh, "
     "layout and recipe",
     "test_sharded_tiny_structural_claims": "same",
     "test_sharded_tiny_no_gradient_sized_temporary": "same",
-    "test_against_commit_tiny": "runs a benchmark twice",
   },
   "tests/test_examples.py": {
     "test_example_trains_in_float16[nnx_gpt_fp16]": "a sharded GPT",
