@@ -171,13 +171,22 @@ def rule_frames() -> Iterator[None]:
   """
   try:
     from jax._src import source_info_util
+    from jax._src.interpreters import ad
     from jax.extend.core.primitives import custom_lin_p
-    from jax.interpreters import ad
 
-    rule = ad.primitive_transposes[custom_lin_p]
+    # jax < 0.12: `primitive_transposes`; jax 0.12: `fancy_transposes`.
+    table = next(
+      table
+      for table in (
+        getattr(ad, "primitive_transposes", {}),
+        getattr(ad, "fancy_transposes", {}),
+      )
+      if custom_lin_p in table
+    )
+    rule = table[custom_lin_p]
     state = source_info_util._source_info_context
     state.context.name_stack  # noqa: B018 - the shape this relies on
-  except (ImportError, AttributeError, KeyError):  # pragma: no cover
+  except (ImportError, AttributeError, StopIteration):  # pragma: no cover
     yield
     return
 
@@ -190,8 +199,8 @@ def rule_frames() -> Iterator[None]:
     finally:
       state.context = outer
 
-  ad.primitive_transposes[custom_lin_p] = transpose
+  table[custom_lin_p] = transpose
   try:
     yield
   finally:
-    ad.primitive_transposes[custom_lin_p] = rule
+    table[custom_lin_p] = rule
