@@ -16,6 +16,9 @@ import pathlib
 import jax
 import pytest
 
+# The benchmarks time the package as it runs here, with its CPU check.
+pytestmark = pytest.mark.cpu_check_form
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 

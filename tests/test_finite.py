@@ -231,6 +231,7 @@ def _gradient_elements_read(ops, leaves):
   return read
 
 
+@pytest.mark.cpu_check_form  # the CPU compiled program, as CPU users run it
 @pytest.mark.parametrize("per_leaf", [False, True])
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_each_lowering_holds_one_form_that_reads_each_element_once(
@@ -352,6 +353,7 @@ def test_transposed_and_multi_dimensional_leaves_are_checked_whole():
       assert not bool(check(a, b.at[j, i % 128].set(special))), (i, j, special)
 
 
+@pytest.mark.cpu_check_form  # the CPU compiled program, as CPU users run it
 def test_many_small_leaves_are_checked_together_on_cpu():
   """Small leaves are concatenated by dtype and checked in one pass; a
   non-finite value in any of them counts."""
@@ -370,6 +372,7 @@ def test_many_small_leaves_are_checked_together_on_cpu():
   assert opcodes["reduce"] >= 1 and opcodes["reduce-window"] == 0
 
 
+@pytest.mark.cpu_check_form  # the CPU compiled program, as CPU users run it
 @pytest.mark.parametrize("per_leaf", [False, True])
 def test_large_leaves_are_checked_in_one_pass_without_a_copy(per_leaf):
   """No tree of reduce-windows and no byte-per-element temporary: the
@@ -482,3 +485,14 @@ def test_the_same_complex_array_twice():
   c = jnp.ones(4096, jnp.complex64)
   assert bool(ols.all_finite([c, c]))
   assert not bool(ols.all_finite([c, c.at[7].set(jnp.nan)]))
+
+
+def test_the_suite_runs_the_check_that_accelerators_run():
+  # tests/conftest.py puts the accelerators' form in the CPU form's place
+  # for every test not marked `cpu_check_form`.
+  assert _finite._on_cpu is _finite._concatenated
+
+
+@pytest.mark.cpu_check_form
+def test_a_marked_test_runs_the_cpu_form():
+  assert _finite._on_cpu is not _finite._concatenated

@@ -188,6 +188,7 @@ if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8):
   }
 
 
+@pytest.mark.cpu_check_form  # the CPU compiled program, as CPU users run it
 @pytest.mark.parametrize("layout,axis_type,inner", CASES)
 def test_no_gradient_sized_temporary(layout, axis_type, inner, request):
   if (inner, axis_type.name, layout) in _TEMPORARY_OPEN:

@@ -94,6 +94,7 @@ def compiled_costs(tx, grad_dtype=jnp.float32, n_leaves=8, size=4096):
 
 # Older jax warns that the plain reference step (float16 gradients, float32
 # state) cannot use some donated buffers; ours uses them all.
+@pytest.mark.cpu_check_form  # the CPU compiled program, as CPU users run it
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize(
