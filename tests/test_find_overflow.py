@@ -175,6 +175,12 @@ def test_bfloat16_and_float32_are_checked_for_nan_and_inf_only():
   assert (first.dtype, first.primitive, first.inf) == ("float32", "exp", 4)
 
 
+@pytest.mark.xfail(
+  tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
+  reason="on jax < 0.8 the finder does not list a -inf literal passed into"
+  " a jit body (jnp.where's) as a mask; it still reports no overflow",
+  strict=True,
+)
 def test_an_inf_written_in_the_code_is_not_an_overflow():
   def masked(w, x, amplify):
     logits = x.astype(F16) * w.astype(F16)  # 2**10

@@ -381,16 +381,11 @@ def format_bad_batches(result: BadBatchResult) -> str:
 
 def format_main_skip_report(result: StudyResult, name: str) -> str | None:
   """The main job's ``ols.skip_report`` of one run, introduced for a reader
-  who meets it first: the library's text as it prints it, which writes
-  scales out in full."""
+  who meets it first: the library's text as it prints it."""
   r = result.runs.get(name)
   if r is None or r.skip_report is None:
     return None
-  scale = r.final_scale
-  intro = (
-    f"What ols.skip_report(opt_state, tx) prints for {name} at the end"
-    f" (it writes scales in full: {pow2(scale)} = {scale:.0f}):"
-  )
+  intro = f"What ols.skip_report(opt_state, tx) prints for {name} at the end:"
   return "\n".join([textwrap.fill(intro, 79), *_indented(r.skip_report)])
 
 
