@@ -11,9 +11,12 @@ package uses; tests/test_compat_names.py checks each on the running jax.
 
 What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
 `interpret`), `bind` (its `map_params` widens a float16 equation for the
-float32 reference), `user_frames`, `name_scopes`, the jaxpr types, and
+float32 reference), `user_frames`, `name_scopes`, the jaxpr types,
 `primitives` to match jax's own primitives by object
-(`eqn.primitive is compat.primitives.exp_p`).
+(`eqn.primitive is compat.primitives.exp_p`), `remat_p`, and
+`custom_vjp_rules_keep_their_lines` (jax's table of transposition rules
+and its source-information context, so that a `custom_vjp`'s backward rule
+is named by its own lines; where a jax lacks them, it changes nothing).
 
 Everything else in the package uses public jax only. Where a name here goes
 away in a new jax, it resolves to None and the test above fails in CI; at
@@ -24,7 +27,7 @@ select with a warning (`skip`).
 """
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -272,3 +275,53 @@ def _varying_axes(x: Any) -> frozenset[Any]:
   if manual is not None:
     return frozenset(manual.varying)
   return frozenset(getattr(aval, "vma", ()))
+
+
+@contextlib.contextmanager
+def custom_vjp_rules_keep_their_lines() -> Iterator[None]:
+  """While the gradient program is traced, the operations of a
+  `custom_vjp`'s backward rule keep the lines of the rule.
+
+  jax runs a backward rule when it transposes the rule's `custom_lin`
+  equation, under that equation's traceback: every operation of the rule
+  would be named by the line that called the function. Run under no
+  traceback (the name stack kept), they take their own. This reaches into
+  jax's table of transposition rules and its source-information context
+  (internals); where a jax lacks them, the rule's operations keep the
+  calling line.
+  """
+  try:
+    from jax._src import source_info_util
+    from jax._src.interpreters import ad
+    from jax.extend.core.primitives import custom_lin_p
+
+    # jax < 0.12: `primitive_transposes`; jax 0.12: `fancy_transposes`.
+    table = next(
+      table
+      for table in (
+        getattr(ad, "primitive_transposes", {}),
+        getattr(ad, "fancy_transposes", {}),
+      )
+      if custom_lin_p in table
+    )
+    rule = table[custom_lin_p]
+    state = source_info_util._source_info_context
+    state.context.name_stack  # noqa: B018 - the shape this relies on
+  except (ImportError, AttributeError, StopIteration):  # pragma: no cover
+    yield
+    return
+
+  def transpose(*args: Any, **kwargs: Any) -> Any:
+    outer = state.context
+    fresh = source_info_util.new_source_info()
+    state.context = fresh.replace(name_stack=outer.name_stack)
+    try:
+      return rule(*args, **kwargs)
+    finally:
+      state.context = outer
+
+  table[custom_lin_p] = transpose
+  try:
+    yield
+  finally:
+    table[custom_lin_p] = rule

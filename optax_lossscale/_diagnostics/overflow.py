@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._core import compat
 from optax_lossscale._core import interpret as _interpret
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder.analysis import Analysis, Outputs
 from optax_lossscale._diagnostics.finder.compile import compile_for_one_run
 from optax_lossscale._diagnostics.finder.program import Program, scale_value
-from optax_lossscale._diagnostics.finder.source import rule_frames
 from optax_lossscale._diagnostics.overflow_report import OverflowReport
 
 
@@ -163,7 +163,7 @@ class _Run:
         " batch, ...); the gradient is taken with respect to the first."
       )
     program = Program(fun, args)
-    with rule_frames():
+    with compat.custom_vjp_rules_keep_their_lines():
       self._closed = jax.make_jaxpr(program)(
         program.differentiated, program.inputs, jnp.float32(value)
       )

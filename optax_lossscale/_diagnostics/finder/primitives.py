@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import primitives as _p
 
+from optax_lossscale._core import compat
+
 # Operations that only rearrange their inputs' elements (or copy them): an
 # output element is an input element, so an output is finite exactly when
 # its inputs are. They are not measured; the finder derives their
@@ -75,16 +77,8 @@ NO_REFERENCE = frozenset(
 CONVERT = _p.convert_element_type_p
 
 
-def _remat() -> Any:
-  """`remat_p`: exported by `jax.extend.core.primitives` in newer jax only
-  (not in every release this package supports)."""
-  remat = getattr(_p, "remat_p", None)
-  if remat is None:  # pragma: no cover - older jax
-    from jax._src.ad_checkpoint import remat_p as remat
-  return remat
-
-
-REMAT = _remat()
+# `remat_p` lives where each jax has it (compat).
+REMAT = compat.remat_p
 
 
 def is_layout(eqn: Any) -> bool:

@@ -1,12 +1,10 @@
 """Where an operation is, in the user's code: its name scopes, the line that
 made it, and the call path there."""
 
-import contextlib
 import dataclasses
 import linecache
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from optax_lossscale._core import compat as _compat
@@ -154,53 +152,3 @@ def _short(file: str) -> str:
   except ValueError:  # another drive
     return file
   return file if relative.startswith("..") else relative
-
-
-@contextlib.contextmanager
-def rule_frames() -> Iterator[None]:
-  """While the gradient program is traced, the operations of a
-  `custom_vjp`'s backward rule keep the lines of the rule.
-
-  jax runs a backward rule when it transposes the rule's `custom_lin`
-  equation, under that equation's traceback: every operation of the rule
-  would be named by the line that called the function. Run under no
-  traceback (the name stack kept), they take their own. This reaches into
-  jax's table of transposition rules and its source-information context
-  (internals); where a jax lacks them, the rule's operations keep the
-  calling line.
-  """
-  try:
-    from jax._src import source_info_util
-    from jax._src.interpreters import ad
-    from jax.extend.core.primitives import custom_lin_p
-
-    # jax < 0.12: `primitive_transposes`; jax 0.12: `fancy_transposes`.
-    table = next(
-      table
-      for table in (
-        getattr(ad, "primitive_transposes", {}),
-        getattr(ad, "fancy_transposes", {}),
-      )
-      if custom_lin_p in table
-    )
-    rule = table[custom_lin_p]
-    state = source_info_util._source_info_context
-    state.context.name_stack  # noqa: B018 - the shape this relies on
-  except (ImportError, AttributeError, StopIteration):  # pragma: no cover
-    yield
-    return
-
-  def transpose(*args: Any, **kwargs: Any) -> Any:
-    outer = state.context
-    fresh = source_info_util.new_source_info()
-    state.context = fresh.replace(name_stack=outer.name_stack)
-    try:
-      return rule(*args, **kwargs)
-    finally:
-      state.context = outer
-
-  table[custom_lin_p] = transpose
-  try:
-    yield
-  finally:
-    table[custom_lin_p] = rule
