@@ -48,10 +48,10 @@ NOT_RUN = {
   ("docs/study.md", "run                 eval loss  vs fp32"): (
     "the bad-batch job's table (--corrupt, minutes long; no saved numbers)"
   ),
-  ("notebooks/RESULTS.md", "loss scale 4 (floor 1)"): (
+  ("notebooks/RESULTS.md", "loss scale 4: dynamic, floor 1"): (
     "the bad-batch job's skip_report (--corrupt, minutes long)"
   ),
-  ("notebooks/RESULTS.md", "loss scale 32768 (floor 1)"): (
+  ("notebooks/RESULTS.md", "loss scale 2**15: dynamic, floor 1"): (
     "the bad-batch job's skip_report (--corrupt, minutes long)"
   ),
 }
