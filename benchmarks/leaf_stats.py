@@ -18,7 +18,9 @@ Two measurements, public API only:
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -26,6 +28,9 @@ import jax.numpy as jnp
 import optax
 
 import optax_lossscale as ols
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import best_compile
 
 VARIANTS = ("plain", "default", "leaf_stats")
 
@@ -59,17 +64,6 @@ def _trees(n_params: int, n_leaves: int):
   return params, grads
 
 
-def _compile(step, args, repeats: int):
-  """`(compiled, seconds)`, the fastest of `repeats` fresh traces."""
-  best, compiled = float("inf"), None
-  for _ in range(repeats):
-    fn = jax.jit(lambda *a: step(*a), donate_argnums=(0, 1))
-    t0 = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    best = min(best, time.perf_counter() - t0)
-  return compiled, best
-
-
 def run_time(n_params: int, n_leaves: int, rounds: int) -> dict:
   """Median seconds per step of each variant, interleaved."""
   compiled, states, times = {}, {}, {}
@@ -77,7 +71,7 @@ def run_time(n_params: int, n_leaves: int, rounds: int) -> dict:
     tx = _tx(name)
     params, grads = _trees(n_params, n_leaves)
     state = tx.init(params)
-    compiled[name], _ = _compile(_step(tx), (params, state, grads), 1)
+    compiled[name], _ = best_compile(_step(tx), (params, state, grads), 1)
     states[name] = jax.block_until_ready(compiled[name](params, state, grads))
     times[name] = []
   for _ in range(rounds):
@@ -98,7 +92,7 @@ def compile_time(n_params: int, n_leaves: int, repeats: int) -> dict:
     for name in seconds:
       tx = _tx(name)
       params, grads = _trees(n_params, n_leaves)
-      _, once = _compile(_step(tx), (params, tx.init(params), grads), 1)
+      _, once = best_compile(_step(tx), (params, tx.init(params), grads), 1)
       seconds[name] = min(seconds[name], once)
   return seconds
 

@@ -16,6 +16,16 @@ _UPGRADE = (
 )
 
 
+def _no_such_field(self: Any, name: str) -> Any:
+  """A field today's code asks for and 0.1.0's state lacks: the error says
+  how to upgrade the state."""
+  if name.startswith("__"):
+    raise AttributeError(name)
+  raise AttributeError(
+    f"This {type(self).__name__} has no field {name!r}: {_UPGRADE}."
+  )
+
+
 class LossScaleState(NamedTuple):
   """0.1.0's loss-scale state: five fields, the counters under their old
   names."""
@@ -27,11 +37,7 @@ class LossScaleState(NamedTuple):
   last_finite: Any
 
   def __getattr__(self, name: str) -> Any:
-    if name.startswith("__"):
-      raise AttributeError(name)
-    raise AttributeError(
-      f"This LossScaleState has no field {name!r}: {_UPGRADE}."
-    )
+    return _no_such_field(self, name)
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -41,8 +47,4 @@ class LossScaleOptimizerState(NamedTuple):
   inner_state: Any
 
   def __getattr__(self, name: str) -> Any:
-    if name.startswith("__"):
-      raise AttributeError(name)
-    raise AttributeError(
-      f"This LossScaleOptimizerState has no field {name!r}: {_UPGRADE}."
-    )
+    return _no_such_field(self, name)
