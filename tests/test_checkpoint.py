@@ -186,3 +186,55 @@ def test_migrate_plain_optax_checkpoint(tmp_path):
   chex.assert_trees_all_equal(updates, ref_updates)
   chex.assert_trees_all_equal(opt_state.inner_state, ref_state)
   assert int(ols.dynamic_counter(opt_state)) == 1
+
+
+def _leaf_stats_run():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2), leaf_stats=True)
+  step = jax.jit(loss_step(tx, _loss))
+  params, opt_state = _run(step, _params(), tx.init(_params()), 0, 6)
+  return tx, step, params, opt_state
+
+
+def _restore(fmt, tmp_path, tx, opt_state):
+  """`opt_state` saved in `fmt` and restored into `tx.init`'s structure."""
+  if fmt == "msgpack":
+    blob = serialization.to_bytes(opt_state)
+    return serialization.from_bytes(tx.init(_params()), blob)
+  if fmt == "pickle":
+    import pickle
+
+    return pickle.loads(pickle.dumps(jax.device_get(opt_state)))
+  path = tmp_path / fmt
+  if fmt == "orbax":
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(path, opt_state)
+      ckptr.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(_params()))
+    with ocp.StandardCheckpointer() as ckptr:
+      return ckptr.restore(path, abstract)
+  ckptr = ocp.PyTreeCheckpointer()
+  ckptr.save(path, {"opt_state": opt_state})
+  target = {"opt_state": tx.init(_params())}
+  return ckptr.restore(
+    path,
+    item=target,
+    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+  )["opt_state"]
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "pytree", "msgpack", "pickle"])
+def test_leaf_counts_checkpoint_and_resume(tmp_path, fmt):
+  # The per-leaf counts are one vector beside the tree it counts the
+  # leaves of; both come back, and the run goes on counting.
+  tx, step, params, opt_state = _leaf_stats_run()
+  counts = ols.nonfinite_leaves(opt_state)
+  bad = sum(i in BAD for i in range(6))
+  assert {k: int(v) for k, v in counts.items()} == {"w": bad, "b": bad}
+  restored = _restore(fmt, tmp_path, tx, opt_state)
+  assert_trees_equal(restored, opt_state)
+  assert jax.tree.structure(restored) == jax.tree.structure(opt_state)
+  assert ols.nonfinite_leaves(restored).keys() == counts.keys()
+  _, resumed = _run(step, params, restored, 6, N_STEPS)
+  _, full = _run(step, params, opt_state, 6, N_STEPS)
+  assert_trees_equal(resumed, full)
+  assert int(ols.nonfinite_leaves(resumed)["w"]) == len(BAD)

@@ -287,7 +287,9 @@ def test_the_counters_saturate():
     nan_steps=full,
     nonfinite_loss_steps=full,
     steps=full,
-    leaf_notfinite=jax.tree.map(lambda _: full, PARAMS),
+    leaf_notfinite=state.loss_scale_state.leaf_notfinite._replace(
+      counts=jnp.full([len(jax.tree.leaves(PARAMS))], INT32_MAX, jnp.int32)
+    ),
   )
   state = state._replace(loss_scale_state=ls)
   _, state = step(PARAMS, state, grads_with(1, np.nan), jnp.float32(np.nan))
@@ -299,7 +301,7 @@ def test_the_counters_saturate():
     got.nan_steps,
     got.nonfinite_loss_steps,
     got.steps,
-    *jax.tree.leaves(got.leaf_notfinite),
+    *got.leaf_notfinite.counts,
   ):
     assert int(value) == INT32_MAX
 

@@ -158,7 +158,7 @@ def test_leaf_counts_start_at_zero():
   for fmt in ("pickle", "msgpack"):
     restored = _restored(fmt)
     state = ols.upgrade_state(restored, like=_like(tx))["opt_state"]
-    counts = state.loss_scale_state.leaf_notfinite
+    counts = ols.nonfinite_leaves(state)
     assert jax.tree.structure(counts) == jax.tree.structure(MAKE.params())
     assert all(int(c) == 0 for c in jax.tree.leaves(counts))
     assert float(ols.loss_scale(state)) == EXPECTED["state"]["loss_scale"]

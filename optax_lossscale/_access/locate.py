@@ -14,9 +14,11 @@ import jax.numpy as jnp
 
 from optax_lossscale._access import nnx as _nnx
 from optax_lossscale._core.state import (
+  LeafCounts,
   LossScaleState,
   SkipEvents,
   check_scalar_state,
+  is_placeholder,
 )
 
 _FIELDS = frozenset(LossScaleState._fields)
@@ -109,14 +111,21 @@ def read(opt_state: Any) -> LossScaleState:
   )
   if isinstance(state.recent_skips, Mapping):  # `nnx.state` output
     state = state._replace(recent_skips=SkipEvents(**state.recent_skips))
+  if isinstance(state.leaf_notfinite, Mapping):
+    state = state._replace(leaf_notfinite=LeafCounts(**state.leaf_notfinite))
   return state
 
 
 def _as_arrays(value: Any) -> Any:
   """A field's value as plain arrays (a tree for the per-leaf counts), NNX
-  Variables unwrapped."""
+  Variables unwrapped; the placeholders of `LeafCounts.structure` kept."""
+
+  def as_array(x: Any) -> Any:
+    x = _nnx.unwrap(x)
+    return x if is_placeholder(x) else jnp.asarray(x)
+
   return jax.tree.map(
-    lambda x: jnp.asarray(_nnx.unwrap(x)), value, is_leaf=_nnx.is_variable
+    as_array, value, is_leaf=lambda x: _nnx.is_variable(x) or is_placeholder(x)
   )
 
 

@@ -6,7 +6,7 @@ from typing import Any
 import jax
 
 from optax_lossscale._access import locate as _locate
-from optax_lossscale._core.state import SkipStats
+from optax_lossscale._core.state import SkipStats, leaf_counts_tree
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -134,4 +134,4 @@ def nonfinite_leaves(opt_state: Any) -> Any:
       " `unscale_and_check(..., leaf_stats=True)`) to count, per gradient"
       " leaf, the steps on which it was not finite."
     )
-  return counts
+  return leaf_counts_tree(counts)

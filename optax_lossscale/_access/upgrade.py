@@ -166,10 +166,13 @@ def _upgraded(
 ) -> LossScaleState:
   """Today's `LossScaleState` from 0.1.0's `old` (typed or a dict)."""
   counter = _field(old, "counter")
+  leaf_notfinite = None if like is None else like.leaf_notfinite
+  if leaf_notfinite is not None:  # counted from zero
+    leaf_notfinite = leaf_notfinite._replace(
+      counts=jnp.zeros_like(leaf_notfinite.counts)
+    )
   fresh = init_loss_scale_state(
-    1.0,
-    dynamic=counter is not None,
-    leaf_counts_like=None if like is None else like.leaf_notfinite,
+    1.0, dynamic=counter is not None, leaf_notfinite=leaf_notfinite
   )
   in_a_row = jnp.asarray(
     _field(old, _RENAMED["skipped_in_a_row"]), COUNTER_DTYPE

@@ -28,10 +28,10 @@ class Verdict(NamedTuple):
 
   finite: jax.Array  # bool[]: every element finite
   nan: jax.Array  # bool[]: some element NaN
-  # One bool[] per leaf, in `jax.tree.leaves` order, each its own scalar:
-  # slicing one vector into a scalar per leaf made XLA compile a thousand
-  # leaves' counts slowly (benchmarks/README.md).
-  leaf_notfinite: list[jax.Array] | None
+  # bool[n], per leaf in `jax.tree.leaves` order: one vector from the check
+  # to the counts, since a scalar per leaf made XLA compile a step of a
+  # thousand leaves slowly (benchmarks/README.md).
+  leaf_notfinite: jax.Array | None
 
   @property
   def code(self) -> jax.Array:
@@ -88,10 +88,13 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
     for i, x in enumerate(leaves)
     if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
   ]
-  never = jnp.zeros([], jnp.bool_)
-  leaf_notfinite = [never] * len(leaves) if per_leaf else None
   if not checked:
-    return Verdict(jnp.ones([], jnp.bool_), never, leaf_notfinite)
+    never = jnp.zeros([len(leaves)], jnp.bool_)
+    return Verdict(
+      jnp.ones([], jnp.bool_),
+      jnp.zeros([], jnp.bool_),
+      never if per_leaf else None,
+    )
   local, explicit, auto = _by_placement(checked, leaves)
   # On a mesh each leaf is checked where it lives, and only scalars cross
   # devices: combining leaves sharded differently (a concatenation, an
@@ -105,18 +108,32 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
     )
   for i in auto:
     finite, nan = _reduced_where_it_lives(leaves[i])
-    parts.append(([i], Verdict(finite, nan, [~finite] if per_leaf else None)))
+    notfinite = (~finite)[None] if per_leaf else None
+    parts.append(([i], Verdict(finite, nan, notfinite)))
   # Booleans, not codes, are combined: XLA copies this small computation
   # into every select that reads the flag, so it is kept to one op a part.
   finite, nan = parts[0][1].finite, parts[0][1].nan
   for _, verdict in parts[1:]:
     finite, nan = finite & verdict.finite, nan | verdict.nan
-  if leaf_notfinite is not None:
-    for indices, verdict in parts:
-      assert verdict.leaf_notfinite is not None
-      for i, notfinite in zip(indices, verdict.leaf_notfinite, strict=True):
-        leaf_notfinite[i] = notfinite
-  return Verdict(finite, nan, leaf_notfinite)
+  if not per_leaf:
+    return Verdict(finite, nan, None)
+  pieces = [verdict.leaf_notfinite for _, verdict in parts]
+  order = [i for indices, _ in parts for i in indices]
+  unchecked = sorted(set(range(len(leaves))) - set(checked))
+  if unchecked:
+    pieces.append(jnp.zeros([len(unchecked)], jnp.bool_))
+    order += unchecked
+  return Verdict(finite, nan, _in_leaf_order(pieces, order))
+
+
+def _in_leaf_order(pieces: list[Any], order: list[int]) -> jax.Array:
+  """One vector of `pieces` (vectors) concatenated, whose elements are
+  those of the leaves `order` names, rearranged into leaf order (by a
+  gather of constant indices, where the order differs)."""
+  values = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+  if order == sorted(order):
+    return values
+  return values[np.argsort(order)]
 
 
 def _code(value: int) -> jax.Array:
@@ -135,8 +152,8 @@ def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
   """
   if per_leaf:
     codes = _leaf_codes(leaves)
-    finite, nan = _flags_of(jnp.stack(codes))
-    return Verdict(finite, nan, [code != FINITE for code in codes])
+    finite, nan = _flags_of(codes)
+    return Verdict(finite, nan, codes != FINITE)
   finite, nan = lax.platform_dependent(
     *leaves, cpu=_on_cpu, default=_concatenated
   )
@@ -193,14 +210,14 @@ def _check_on_mesh(
   def check_shards(*shards: jax.Array) -> jax.Array:
     # A scalar crosses devices, or with `per_leaf` one vector of codes.
     if per_leaf:
-      codes = jnp.stack(_leaf_codes(list(shards))).astype(CODE_DTYPE)
+      codes = _leaf_codes(list(shards)).astype(CODE_DTYPE)
     else:
       codes = _check_here(list(shards), per_leaf).code
     return lax.pmax(codes, axes) if axes else codes
 
   out_spec = jax.sharding.PartitionSpec()
   codes = _compat.shard_map(check_shards, mesh, specs, out_spec)(*leaves)
-  leaf_notfinite = list(codes != FINITE) if per_leaf else None
+  leaf_notfinite = codes != FINITE if per_leaf else None
   return Verdict(*_flags_of(codes), leaf_notfinite)
 
 
@@ -249,68 +266,104 @@ def _on_cpu(*leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _all_and_any(flags)
 
 
-def _leaf_codes(leaves: Sequence[jax.Array]) -> list[jax.Array]:
-  """The code of each leaf, in order, each its own `int8[]` scalar.
+def _leaf_codes(leaves: Sequence[jax.Array]) -> jax.Array:
+  """The code of each leaf, in order, as one `int8[n]` vector.
 
-  Leaves of one shape and dtype are read together, up to
-  `_LEAVES_PER_REDUCTION` at a time, in one reduction with one operand per
-  leaf: the fewer reductions and operands, the faster XLA compiles a step
-  of many leaves, and no leaf is copied. Leaves without an exponent mask
-  (complex, float8) are checked alone.
+  Leaves of one shape and dtype are read together. Small ones are stacked
+  (a small copy) and reduced into a vector of codes, up to
+  `_LEAVES_PER_STACK` at a time; larger ones, which a stack would copy,
+  are read up to `_LEAVES_PER_REDUCTION` at a time in one reduction with
+  one operand per leaf. The fewer reductions, operands and scalars, the
+  faster XLA compiles a step of many leaves. Leaves without an exponent
+  mask (complex, float8) are checked alone.
   """
-  codes: list[Any] = [None] * len(leaves)
+  pieces, order = [], []
+  for same in _indices_by_kind(leaves):
+    first = leaves[same[0]]
+    stacked = first.dtype in _MASKS and first.size < _CONCATENATE_BELOW
+    read = _read_stacked if stacked else _read_together
+    per_read = _LEAVES_PER_STACK if stacked else _LEAVES_PER_REDUCTION
+    for start in range(0, len(same), per_read):
+      group = same[start : start + per_read]
+      pieces.append(read([leaves[i] for i in group]))
+      order += group
+  return _in_leaf_order(pieces, order)
+
+
+def _indices_by_kind(leaves: Sequence[jax.Array]) -> list[list[int]]:
+  """The positions of `leaves`, in groups of one shape and dtype (a leaf
+  without an exponent mask in a group of its own)."""
   by_kind: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     # By position, not `id(x)`: one array may be passed twice.
     kind = (x.shape, x.dtype) if x.dtype in _MASKS else i
     by_kind.setdefault(kind, []).append(i)
-  for same in by_kind.values():
-    for start in range(0, len(same), _LEAVES_PER_REDUCTION):
-      group = same[start : start + _LEAVES_PER_REDUCTION]
-      found = _read_together([leaves[i] for i in group])
-      for i, code in zip(group, found, strict=True):
-        codes[i] = code
-  return codes
+  return list(by_kind.values())
 
 
-# Leaves per reduction in `_leaf_codes` (benchmarks/README.md).
+# Leaves per reduction of large leaves in `_leaf_codes`, and per stack of
+# small ones (benchmarks/README.md).
 _LEAVES_PER_REDUCTION = 32
+_LEAVES_PER_STACK = 64
 _LEAF_CODE_DTYPE = jnp.int8
 
 
-def _read_together(leaves: Sequence[jax.Array]) -> list[jax.Array]:
-  """The code of each of `leaves` (of one shape and dtype), in one
-  reduction: per leaf, the largest of its elements' codes."""
+def _read_stacked(leaves: Sequence[jax.Array]) -> jax.Array:
+  """The code of each of `leaves` (of one shape and a masked dtype), as a
+  vector: one reduction of the leaves stacked."""
+  magnitude, inf = _MASKS[leaves[0].dtype]
+  bits = _magnitude_bits(jnp.stack(leaves), magnitude)
+  # Two booleans, as in `_one_pass`: XLA on CPU keeps a reduction of two
+  # operands whole, with its input fused in.
+  finite, nan = lax.reduce(
+    (lax.lt(bits, inf), lax.gt(bits, inf)),
+    (np.bool_(True), np.bool_(False)),
+    _and_or,
+    tuple(range(1, bits.ndim)),
+  )
+  # A NaN is not finite either: 1 + 1 is `NAN`.
+  return lax.add(
+    lax.convert_element_type(lax.bitwise_not(finite), _LEAF_CODE_DTYPE),
+    lax.convert_element_type(nan, _LEAF_CODE_DTYPE),
+  )
+
+
+def _read_together(leaves: Sequence[jax.Array]) -> jax.Array:
+  """The code of each of `leaves` (of one shape and dtype), as a vector: in
+  one reduction, per leaf the largest of its elements' codes."""
   masks = _MASKS.get(leaves[0].dtype)
   if masks is None:  # complex or float8 (in whose e4m3fn NaN is not all ones)
     (leaf,) = leaves
-    return [code_of(*_flags_of_unmasked(leaf)).astype(_LEAF_CODE_DTYPE)]
+    code = code_of(*_flags_of_unmasked(leaf))
+    return code.astype(_LEAF_CODE_DTYPE)[None]
   if len(leaves) == 1:
     # A reduction of one operand XLA on CPU hands to a library kernel that
     # takes its input materialized (a byte per element); one of two
     # booleans it keeps whole, as `_one_pass` says.
-    return [code_of(*_one_pass(leaves)).astype(_LEAF_CODE_DTYPE)]
+    return code_of(*_one_pass(leaves)).astype(_LEAF_CODE_DTYPE)[None]
   magnitude, inf = masks
-  # Each element's code from its magnitude read as an integer (every NaN
-  # lies above inf): no conversion of float16, and no float max (XLA's
-  # vectorized float max on CPU drops NaNs in large arrays).
-  operands = []
-  for x in leaves:
-    bits = _magnitude_bits(x, magnitude)
-    operands.append(
-      lax.add(
-        lax.convert_element_type(lax.ge(bits, inf), _LEAF_CODE_DTYPE),
-        lax.convert_element_type(lax.gt(bits, inf), _LEAF_CODE_DTYPE),
-      )
-    )
+  operands = tuple(_element_codes(x, magnitude, inf) for x in leaves)
   zero = np.zeros([], _LEAF_CODE_DTYPE)
   reduced = lax.reduce(
-    tuple(operands),
+    operands,
     (zero,) * len(operands),
     _pairwise_max,
     tuple(range(leaves[0].ndim)),
   )
-  return list(reduced)
+  return jnp.stack(reduced)
+
+
+def _element_codes(
+  x: jax.Array, magnitude: np.unsignedinteger, inf: np.unsignedinteger
+) -> jax.Array:
+  """Each element's code, from its magnitude read as an integer (every NaN
+  lies above inf): no conversion of float16, and no float max (XLA's
+  vectorized float max on CPU drops NaNs in large arrays)."""
+  bits = _magnitude_bits(x, magnitude)
+  return lax.add(
+    lax.convert_element_type(lax.ge(bits, inf), _LEAF_CODE_DTYPE),
+    lax.convert_element_type(lax.gt(bits, inf), _LEAF_CODE_DTYPE),
+  )
 
 
 def _pairwise_max(
@@ -351,13 +404,9 @@ def _groups_of_one_shape(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   most `_MAX_GROUP`). Leaves without an exponent mask (complex, float8) stay
   alone.
   """
-  by_kind: dict[Any, list[jax.Array]] = {}
-  for i, x in enumerate(leaves):
-    # By position, not `id(x)`: one array may be passed twice.
-    kind = (x.shape, x.dtype) if x.dtype in _MASKS else i
-    by_kind.setdefault(kind, []).append(x)
   groups = []
-  for same in by_kind.values():
+  for indices in _indices_by_kind(leaves):
+    same = [leaves[i] for i in indices]
     per_group = min(max(1, _ELEMENTS_PER_GROUP // same[0].size), _MAX_GROUP)
     count = -(-len(same) // per_group)
     groups += [same[i::count] for i in range(count)]  # near-equal sizes

@@ -5,8 +5,7 @@ Keras-TF2 is the reference; hysteresis, `max_scale` and
 defaults (hysteresis=1, max_scale=float32 max, backoff on a non-finite loss).
 """
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from optax_lossscale._core.state import (
   COUNTER_DTYPE,
   RECENT_SKIPS,
   SCALE_DTYPE,
+  LeafCounts,
   LossScaleState,
   SkipEvents,
 )
@@ -31,8 +31,8 @@ class Outcome(NamedTuple):
   grads_finite: jax.Array  # bool[]: every gradient element finite
   grads_nan: jax.Array  # bool[]: some gradient element NaN
   loss_finite: jax.Array  # bool[]: the loss finite (True when not given)
-  # With leaf_stats: one bool[] per gradient leaf, in `jax.tree.leaves` order.
-  leaf_notfinite: Sequence[jax.Array] | None = None
+  # With leaf_stats: bool[n], per gradient leaf in `jax.tree.leaves` order.
+  leaf_notfinite: jax.Array | None = None
 
 
 def outcome_of(finite: jax.typing.ArrayLike) -> Outcome:
@@ -104,23 +104,21 @@ def _increment_where(condition: jax.Array, count: jax.Array) -> jax.Array:
   return jnp.where(condition, optax.safe_increment(count), count)
 
 
-def _leaf_counts(counts: Any, notfinite: Sequence[jax.Array] | None) -> Any:
+def _leaf_counts(
+  counts: LeafCounts | None, notfinite: jax.Array | None
+) -> LeafCounts | None:
+  """Each leaf's count, one more where it was not finite (one operation
+  over the vector of counts)."""
   if counts is None or notfinite is None:
     return counts
-  leaves, structure = jax.tree.flatten(counts)
-  if len(leaves) != len(notfinite):
+  held, given = counts.counts.shape[0], notfinite.shape[0]
+  if held != given:
     raise ValueError(
       "With `leaf_stats=True` the gradients must have the structure of the"
-      f" params given to `init`: the state counts {len(leaves)} leaves, the"
-      f" gradients have {len(notfinite)}."
+      f" params given to `init`: the state counts {held} leaves, the"
+      f" gradients have {given}."
     )
-  return jax.tree.unflatten(
-    structure,
-    [
-      _increment_where(bad, count)
-      for bad, count in zip(notfinite, leaves, strict=True)
-    ],
-  )
+  return counts._replace(counts=_increment_where(notfinite, counts.counts))
 
 
 def _recorded(

@@ -37,6 +37,25 @@ class SkipEvents(NamedTuple):
   scale_after: jax.Array
 
 
+class LeafCounts(NamedTuple):
+  """Per gradient leaf, the steps on which it was not finite.
+
+  The counts are one vector, so that a step updates them in one operation
+  (a scalar per leaf made XLA compile a step of many leaves slowly:
+  benchmarks/README.md), beside the tree they count the leaves of.
+
+  Attributes:
+    counts: ``int32[n]``, one count per leaf of the gradients, in
+      ``jax.tree.leaves`` order (saturating at ``2**31 - 1``).
+    structure: the parameters' tree with ``()`` in place of each leaf: it
+      holds no arrays, only the tree's shape and names, by which
+      :func:`nonfinite_leaves` and :func:`skip_report` read the counts.
+  """
+
+  counts: jax.Array
+  structure: Any
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`unscale_and_check`: the scale and its bookkeeping.
 
@@ -60,9 +79,9 @@ class LossScaleState(NamedTuple):
       finite (every such step is skipped).
     steps: the steps seen, applied and skipped.
     recent_skips: the last skipped steps, a :class:`SkipEvents`.
-    leaf_notfinite: with ``leaf_stats=True``, a tree shaped like the
-      gradients: for each leaf, the steps on which it was not finite;
-      ``None`` otherwise.
+    leaf_notfinite: with ``leaf_stats=True``, a :class:`LeafCounts`: for
+      each leaf of the gradients, the steps on which it was not finite (read
+      them as a tree with :func:`nonfinite_leaves`); ``None`` otherwise.
   """
 
   loss_scale: jax.Array
@@ -75,7 +94,7 @@ class LossScaleState(NamedTuple):
   nonfinite_loss_steps: jax.Array
   steps: jax.Array
   recent_skips: SkipEvents
-  leaf_notfinite: Any
+  leaf_notfinite: LeafCounts | None
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -119,14 +138,45 @@ def _zero_count() -> jax.Array:
   return jnp.zeros([], COUNTER_DTYPE)
 
 
+def zero_leaf_counts(params: Any) -> LeafCounts:
+  """A zero count for each leaf of `params` (of the gradients)."""
+  return LeafCounts(
+    counts=jnp.zeros([len(jax.tree.leaves(params))], COUNTER_DTYPE),
+    structure=jax.tree.map(lambda _: (), params),
+  )
+
+
+def leaf_counts_tree(leaf_counts: LeafCounts) -> Any:
+  """The counts as a tree shaped like the gradients, a count per leaf (an
+  array of the leading shape of a stacked state's counts)."""
+  placeholders, structure = jax.tree.flatten(
+    leaf_counts.structure, is_leaf=is_placeholder
+  )
+  counts = jnp.asarray(leaf_counts.counts)
+  if counts.shape[-1:] != (len(placeholders),):
+    raise ValueError(
+      f"The per-leaf counts hold {counts.shape[-1:]} values for a tree of"
+      f" {len(placeholders)} leaves: the state's `leaf_notfinite` was"
+      " changed by hand."
+    )
+  return jax.tree.unflatten(
+    structure, [counts[..., i] for i in range(len(placeholders))]
+  )
+
+
+def is_placeholder(x: Any) -> bool:
+  """Whether `x` stands for a leaf in `LeafCounts.structure`: an empty
+  tuple itself (not an empty NamedTuple, such as `optax.EmptyState`)."""
+  return type(x) is tuple and not x
+
+
 def init_loss_scale_state(
-  initial_scale: float, dynamic: bool, leaf_counts_like: Any = None
+  initial_scale: float,
+  dynamic: bool,
+  leaf_notfinite: LeafCounts | None = None,
 ) -> LossScaleState:
-  """The state before the first step; with `leaf_counts_like` (the params),
-  a zero count per leaf."""
-  leaf_notfinite = None
-  if leaf_counts_like is not None:
-    leaf_notfinite = jax.tree.map(lambda _: _zero_count(), leaf_counts_like)
+  """The state before the first step; `leaf_notfinite` (zero counts, for
+  `leaf_stats`) as given."""
   return LossScaleState(
     loss_scale=jnp.asarray(initial_scale, SCALE_DTYPE),
     counter=_zero_count() if dynamic else None,

@@ -20,6 +20,7 @@ from optax_lossscale._core.state import (
   LossScaleState,
   check_scalar_state,
   init_loss_scale_state,
+  zero_leaf_counts,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
 
@@ -130,13 +131,13 @@ def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
   """The loss-scale state before the first step (with a count per leaf of
   the gradients, shaped like `params`, when `config.leaf_stats`)."""
   _warn_of_float16_params(params)
-  leaf_counts_like = None
+  leaf_notfinite = None
   if config.leaf_stats:
-    leaf_counts_like = params
     if isinstance(params, optax.LookaheadParams):
-      leaf_counts_like = params.fast  # the gradients are the fast params'
+      params = params.fast  # the gradients are the fast params'
+    leaf_notfinite = zero_leaf_counts(params)
   return init_loss_scale_state(
-    config.initial_scale, config.dynamic, leaf_counts_like
+    config.initial_scale, config.dynamic, leaf_notfinite
   )
 
 
@@ -268,20 +269,19 @@ def _agreed_outcome(
   )
   leaf_notfinite = verdict.leaf_notfinite
   if config.axis_name is not None:
-    # One vector crosses the replicas; without an axis, nothing to pack
-    # (nor to slice back into a scalar per leaf, which compiles slowly).
+    # One vector crosses the replicas; without an axis, nothing to pack.
     codes = [
       verdict.code[None],
       _finite.code_of(loss_finite, jnp.zeros([], jnp.bool_))[None],
     ]
     if leaf_notfinite is not None:
-      codes.append(jnp.stack(leaf_notfinite).astype(_finite.CODE_DTYPE))
+      codes.append(leaf_notfinite.astype(_finite.CODE_DTYPE))
     agreed = _finite.reduce_across(jnp.concatenate(codes), config.axis_name)
     grads_finite = agreed[0] == _finite.FINITE
     grads_nan = agreed[0] == _finite.NAN
     loss_finite = agreed[1] == _finite.FINITE
     if leaf_notfinite is not None:
-      leaf_notfinite = list(agreed[2:] != _finite.FINITE)
+      leaf_notfinite = agreed[2:] != _finite.FINITE
   return _rule.Outcome(
     grads_finite=grads_finite,
     grads_nan=grads_nan,

@@ -27,6 +27,7 @@ from optax_lossscale._core.state import (
   CAUSE_NAN,
   RECENT_SKIPS,
   LossScaleState,
+  leaf_counts_tree,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
 from optax_lossscale._diagnostics import format as _format
@@ -548,7 +549,7 @@ def _leaves(state: LossScaleState) -> tuple[tuple[str, int], ...] | None:
   counted = [
     (_path_name(path), int(count))
     for path, count in jax.tree_util.tree_flatten_with_path(
-      state.leaf_notfinite
+      leaf_counts_tree(state.leaf_notfinite)
     )[0]
   ]
   return tuple(sorted(counted, key=lambda item: -item[1]))
