@@ -127,13 +127,25 @@ def _mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return (gate * (x @ p["up"])) @ p["down"]
 
 
+def _lookup(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+  """``embed[tokens]``. With the tokens sharded on a mesh's ``Explicit``
+  axes, jax asks where the gathered rows go: with their tokens."""
+  spec = jax.typeof(tokens).sharding.spec
+  if all(axis is None for axis in spec):
+    return embed[tokens]
+  return embed.at[tokens].get(
+    out_sharding=jax.sharding.PartitionSpec(*spec, None)
+  )
+
+
 def forward(
   params: dict[str, Any], tokens: jax.Array, norms_dtype: Any = None
 ) -> jax.Array:
   """Logits, in the parameters' dtype, for ``tokens`` [batch, seq]."""
   embed = params["embed"]
   with jax.named_scope("embed"):
-    x = embed[tokens] * np.asarray(math.sqrt(embed.shape[1]), embed.dtype)
+    x = _lookup(embed, tokens)
+    x = x * np.asarray(math.sqrt(embed.shape[1]), embed.dtype)
   layer = 0
   while f"layer_{layer}" in params:
     p = params[f"layer_{layer}"]
