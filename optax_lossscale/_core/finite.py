@@ -152,7 +152,12 @@ def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
   """
   if per_leaf:
     codes = _leaf_codes(leaves)
-    finite, nan = _flags_of(codes)
+    finite, nan = lax.reduce(
+      (codes == FINITE, codes == NAN),
+      (np.bool_(True), np.bool_(False)),
+      _and_or,
+      (0,),
+    )
     return Verdict(finite, nan, codes != FINITE)
   finite, nan = lax.platform_dependent(
     *leaves, cpu=_on_cpu, default=_concatenated
