@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
+from optax_lossscale._core.state import RECENT_SKIPS
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8,
@@ -217,3 +218,29 @@ def test_the_report_says_where_the_mesh_cannot_tell_nan_from_inf(axis_type):
     )
     assert "where the check counts a NaN as an inf" in text
     assert "overflowed to inf" not in text
+
+
+@pytest.mark.parametrize("skips", [2, RECENT_SKIPS + 1])
+def test_an_auto_mesh_says_nothing_of_nan_where_no_gradient_was_bad(skips):
+  """Skips for the loss alone on an `Auto` mesh: while the state keeps
+  every skip, and none recorded a gradient not finite, there was no NaN to
+  tell from an inf, and the report says nothing of it; once a skip is no
+  longer kept, it may have been one, and the report says so."""
+  mesh = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  with jax.set_mesh(mesh):
+    params = tree_on(mesh)
+    tx = ols.loss_scale_optimizer(optax.sgd(1e-2), initial_scale=2.0**20)
+    step = step_of(tx)
+    state = tx.init(params)
+    for _ in range(skips):
+      params, state = step(params, state, tree_on(mesh), jnp.float32(np.inf))
+    report = ols.skip_report(state, tx)
+  text = " ".join(str(report).split())
+  assert report.nan_told_apart is False
+  assert report.total_skipped == report.nonfinite_loss_steps == skips
+  assert all(causes == ("loss",) for _, causes, _, _ in report.recent)
+  said = "where the check counts a NaN as an inf" in text
+  assert said == (skips > RECENT_SKIPS)
+  assert ("at least: this mesh counts a NaN as an inf" in text) == said

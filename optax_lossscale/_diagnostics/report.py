@@ -603,6 +603,17 @@ def _has(event: Event, cause: str) -> bool:
   return cause in event[1]
 
 
+def _gradients_finite_on_every_skip(
+  total_skipped: int, recent: tuple[Event, ...]
+) -> bool:
+  """Every skip is kept in the state, and none recorded non-finite
+  gradients (each was for the loss alone)."""
+  every_skip_shown = total_skipped == len(recent)
+  return every_skip_shown and not any(
+    _has(e, "inf") or _has(e, "NaN") for e in recent
+  )
+
+
 def _gradients_only(event: Event) -> bool:
   """Skipped for its gradients, with no non-finite loss recorded."""
   return not _has(event, "loss") and (_has(event, "inf") or _has(event, "NaN"))
@@ -837,8 +848,11 @@ def _static(facts: _Facts) -> str | None:
 
 
 def _mesh_cannot_tell(facts: _Facts) -> str | None:
-  """Predicate: the state lives on a mesh with `Auto` axes."""
+  """Predicate: the state lives on a mesh with `Auto` axes, and some skip
+  may have had non-finite gradients (else there was no NaN to tell)."""
   if facts.nan_told_apart is not False:
+    return None
+  if _gradients_finite_on_every_skip(facts.total_skipped, facts.recent):
     return None
   return (
     "these gradients live on a mesh with Auto axes, where the check counts a"
@@ -884,7 +898,9 @@ def _lines(report: SkipReport) -> list[str]:
   )
   if report.total_skipped:
     nan = f"{report.nan_steps} with NaN in the gradients"
-    if report.nan_told_apart is False:
+    if report.nan_told_apart is False and not (
+      _gradients_finite_on_every_skip(report.total_skipped, report.recent)
+    ):
       nan += " (at least: this mesh counts a NaN as an inf)"
     lines += _format.wrap(
       f"of the skipped: {nan}, {report.nonfinite_loss_steps} with a"
