@@ -126,3 +126,12 @@ def test_a_literal_passed_into_a_jit_reads_with_its_dtype():
   ]
   value = _compat.literal_value(literal)
   assert (value.dtype, float(value)) == (jnp.float32, -float("inf"))
+
+
+def test_a_call_body_names_the_function_it_was_traced_from():
+  def double(x):
+    return x * 2.0
+
+  (eqn,) = jax.make_jaxpr(jax.jit(double))(1.0).jaxpr.eqns
+  body = _compat.call_body(eqn)
+  assert _compat.traced_function(body) == ("double", __file__)

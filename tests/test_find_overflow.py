@@ -229,6 +229,50 @@ def test_a_minus_inf_array_a_jit_closes_over_is_a_mask(how):
   assert first.code == "weights = weights * F16(2**9) * F16(amplify)"
 
 
+def test_each_where_is_named_at_its_own_line():
+  # Both `jnp.where`s are calls of one `jit` with the same argument types:
+  # a jax that traces its body once (jax 0.7.1) hands the second call the
+  # body traced at the first. Each mask is named where its call is.
+  def first(w, x):
+    logits = jnp.where(jnp.arange(4) < 2, x.astype(F16) * w.astype(F16), -1e9)
+    return jnp.sum(jax.nn.softmax(logits).astype(jnp.float32))
+
+  def second(w, x):
+    logits = x.astype(F16) * w.astype(F16)
+    logits = jnp.where(jnp.arange(4) < 2, logits, -jnp.inf)  # a mask
+    return jnp.sum(jax.nn.softmax(logits).astype(jnp.float32))
+
+  (cast,) = ols.find_overflow(first, W4, X6).masks  # -1e9: -inf in float16
+  assert cast == (
+    f"a cast to float16 of a value beyond its range at {_at(first, 'where')}"
+  )
+  assert ols.find_overflow(second, W4, X6).masks == (
+    f"-inf written in the code at {_at(second, 'jnp.where(')}",
+  )
+
+
+def test_a_jit_called_from_two_functions_is_named_in_the_one_that_overflows():
+  @jax.jit
+  def amplify(h):
+    return h * F16(2**7)
+
+  def once(w, x):
+    return jnp.sum(amplify(x.astype(F16) * w.astype(F16)).astype(jnp.float32))
+
+  def thrice(w, x):
+    h = amplify(x.astype(F16) * w.astype(F16) * F16(2**-10))  # 2**7
+    return jnp.sum(amplify(amplify(h)).astype(jnp.float32))  # 2**21
+
+  assert not ols.find_overflow(once, W4 * 2**-10, X6)  # amplify traced here
+  first = ols.find_overflow(thrice, W4, X6).first
+  assert (first.primitive, first.code) == ("mul", "return h * F16(2**7)")
+  assert first.source == _at(amplify, "return h")
+  # The call path is in `thrice` (jax 0.10.2 on: it starts in the body).
+  names = {fn.__qualname__ for fn in (thrice, inspect.unwrap(amplify))}
+  assert first.call_path[-1] == inspect.unwrap(amplify).__qualname__
+  assert set(first.call_path) <= names, first.call_path
+
+
 def _at(fun, text):
   """`file:line (function)` of the line of `fun` that holds `text`, as the
   report writes it."""

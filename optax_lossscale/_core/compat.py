@@ -11,7 +11,8 @@ package uses; tests/test_compat_names.py checks each on the running jax.
 
 What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
 `interpret`), `bind` (its `map_params` widens a float16 equation for the
-float32 reference), `user_frames`, `name_scopes`, the jaxpr types,
+float32 reference), `user_frames`, `traced_function` (where a call's
+body was written), `name_scopes`, the jaxpr types,
 `primitives` to match jax's own primitives by object
 (`eqn.primitive is compat.primitives.exp_p`), `literal_value` (a literal's
 value as an array of its dtype, whatever jax holds in it), `remat_p`, and
@@ -240,6 +241,18 @@ def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
     (frame.file_name, frame.start_line, frame.function_name)
     for frame in _user_frames(eqn.source_info.traceback)
   ]
+
+
+def traced_function(body: Any) -> tuple[str, str] | None:
+  """`(name, file)` of the function that call body `body` (a `ClosedJaxpr`)
+  was traced from, from its debug information; None when unknown (a
+  `functools.partial`, say)."""
+  info = getattr(body.jaxpr, "debug_info", None)
+  src = getattr(info, "func_src_info", None)
+  if not isinstance(src, str) or " at " not in src:
+    return None
+  name, place = src.split(" at ", 1)
+  return name, place.rsplit(":", 1)[0]
 
 
 def name_scopes(eqn: Any) -> tuple[tuple[str, ...], bool]:
