@@ -110,8 +110,10 @@ def _root(frames: list[Frame]) -> tuple[str, str]:
 def _inside_body(frames: list[Frame], call: Any) -> list[Frame]:
   """The innermost of `frames` up to the outermost frame of the function
   that `call`'s body was traced from; none when it is not among them (a
-  body written in an installed library, whose frames are left out)."""
-  body = _compat.call_body(call) or _compat.ruled_call_body(call)
+  body written in jax, whose frames `user_frames` leaves out)."""
+  body = _compat.call_body(call)
+  if body is None:
+    body = _compat.ruled_call_body(call)
   traced = None if body is None else _compat.traced_function(body)
   if traced is None:
     return []
