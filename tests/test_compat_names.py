@@ -109,3 +109,29 @@ def test_bind_passes_the_parameters_through_map_params():
   (wide,) = _compat.bind(eqn, [jnp.float32(1 + 2**-20)], map_params=widen)
   assert (narrow.dtype, float(narrow)) == (jnp.float16, 1.0)
   assert (wide.dtype, float(wide)) == (jnp.float32, 1 + 2**-20)
+
+
+def test_a_literal_passed_into_a_jit_reads_with_its_dtype():
+  # `jnp.where` is a `jit`: its `-inf` is a literal argument of the call,
+  # which jax 0.7.1 holds as a bare Python float.
+  def masked(x):
+    return jnp.where(x > 0, x, -jnp.inf)
+
+  eqns = jax.make_jaxpr(masked)(jnp.ones(2, jnp.float16)).jaxpr.eqns
+  (literal,) = [
+    v
+    for eqn in eqns
+    for v in eqn.invars
+    if isinstance(v, _compat.Literal) and v.aval.dtype == jnp.float32
+  ]
+  value = _compat.literal_value(literal)
+  assert (value.dtype, float(value)) == (jnp.float32, -float("inf"))
+
+
+def test_a_call_body_names_the_function_it_was_traced_from():
+  def double(x):
+    return x * 2.0
+
+  (eqn,) = jax.make_jaxpr(jax.jit(double))(1.0).jaxpr.eqns
+  body = _compat.call_body(eqn)
+  assert _compat.traced_function(body) == ("double", __file__)

@@ -7,6 +7,8 @@ headroom and the underflow counts are exact.
 """
 
 import importlib.util
+import inspect
+import os
 import pathlib
 
 import equinox as eqx
@@ -175,12 +177,6 @@ def test_bfloat16_and_float32_are_checked_for_nan_and_inf_only():
   assert (first.dtype, first.primitive, first.inf) == ("float32", "exp", 4)
 
 
-@pytest.mark.xfail(
-  tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
-  reason="on jax < 0.8 the finder does not list a -inf literal passed into"
-  " a jit body (jnp.where's) as a mask; it still reports no overflow",
-  strict=True,
-)
 def test_an_inf_written_in_the_code_is_not_an_overflow():
   def masked(w, x, amplify):
     logits = x.astype(F16) * w.astype(F16)  # 2**10
@@ -192,10 +188,99 @@ def test_an_inf_written_in_the_code_is_not_an_overflow():
   report = ols.find_overflow(masked, W4, X6, 1)
   assert not report and report.nonfinite_operations > 0
   assert "Masks (infs written in the code or passed in" in str(report)
+  # `jnp.where` is a `jit` whose body is handed the `-inf`: the mask is
+  # the number written on the `where`'s line all the same.
+  assert report.masks == (
+    f"-inf written in the code at {_at(masked, 'jnp.where(')}",
+  )
   # An overflow after the mask is still found: 2**8 * 2**8 = 2**16.
   first = ols.find_overflow(masked, W4, X6, 2**8).first
   assert (first.primitive, first.inf) == ("mul", 2)
   assert first.code == "weights = weights * F16(2**9) * F16(amplify)"
+
+
+MINUS_INF = jnp.array(-jnp.inf, F16)
+CAUSAL = jnp.array([0.0, 0.0, -jnp.inf, -jnp.inf], F16)
+
+
+@pytest.mark.parametrize("how", ["where", "add"])
+def test_a_minus_inf_array_a_jit_closes_over_is_a_mask(how):
+  @jax.jit
+  def mask(logits):  # the array is a constant of this jit's body
+    if how == "where":  # passed on into `jnp.where`'s own `jit`
+      return jnp.where(jnp.arange(4) < 2, logits, MINUS_INF)
+    return logits + CAUSAL
+
+  def masked(w, x, amplify):
+    logits = mask(x.astype(F16) * w.astype(F16))  # 2**10, 2**10, -inf, -inf
+    weights = jax.nn.softmax(logits)  # 1/2, 1/2, 0, 0
+    weights = weights * F16(2**9) * F16(amplify)
+    return jnp.sum(weights.astype(jnp.float32))
+
+  report = ols.find_overflow(masked, W4, X6, 1)
+  assert not report and report.nonfinite_operations > 0
+  used = "jnp.where(" if how == "where" else "logits + CAUSAL"
+  assert report.masks == (
+    f"an array the code closes over, used at {_at(mask, used)}",
+  )
+  # An overflow after the mask is still found: 2**8 * 2**8 = 2**16.
+  first = ols.find_overflow(masked, W4, X6, 2**8).first
+  assert (first.primitive, first.inf) == ("mul", 2)
+  assert first.code == "weights = weights * F16(2**9) * F16(amplify)"
+
+
+def test_each_where_is_named_at_its_own_line():
+  # Both `jnp.where`s are calls of one `jit` with the same argument types:
+  # a jax that traces its body once (jax 0.7.1) hands the second call the
+  # body traced at the first. Each mask is named where its call is.
+  def first(w, x):
+    logits = jnp.where(jnp.arange(4) < 2, x.astype(F16) * w.astype(F16), -1e9)
+    return jnp.sum(jax.nn.softmax(logits).astype(jnp.float32))
+
+  def second(w, x):
+    logits = x.astype(F16) * w.astype(F16)
+    logits = jnp.where(jnp.arange(4) < 2, logits, -jnp.inf)  # a mask
+    return jnp.sum(jax.nn.softmax(logits).astype(jnp.float32))
+
+  (cast,) = ols.find_overflow(first, W4, X6).masks  # -1e9: -inf in float16
+  assert cast == (
+    f"a cast to float16 of a value beyond its range at {_at(first, 'where')}"
+  )
+  assert ols.find_overflow(second, W4, X6).masks == (
+    f"-inf written in the code at {_at(second, 'jnp.where(')}",
+  )
+
+
+def test_a_jit_called_from_two_functions_is_named_in_the_one_that_overflows():
+  @jax.jit
+  def amplify(h):
+    return h * F16(2**7)
+
+  def once(w, x):
+    return jnp.sum(amplify(x.astype(F16) * w.astype(F16)).astype(jnp.float32))
+
+  def thrice(w, x):
+    h = amplify(x.astype(F16) * w.astype(F16) * F16(2**-10))  # 2**7
+    return jnp.sum(amplify(amplify(h)).astype(jnp.float32))  # 2**21
+
+  assert not ols.find_overflow(once, W4 * 2**-10, X6)  # amplify traced here
+  first = ols.find_overflow(thrice, W4, X6).first
+  assert (first.primitive, first.code) == ("mul", "return h * F16(2**7)")
+  assert first.source == _at(amplify, "return h")
+  # The call path is in `thrice` (jax 0.10.2 on: it starts in the body).
+  names = {fn.__qualname__ for fn in (thrice, inspect.unwrap(amplify))}
+  assert first.call_path[-1] == inspect.unwrap(amplify).__qualname__
+  assert set(first.call_path) <= names, first.call_path
+
+
+def _at(fun, text):
+  """`file:line (function)` of the line of `fun` that holds `text`, as the
+  report writes it."""
+  fun = inspect.unwrap(fun)  # a `jax.jit`'s function
+  lines, start = inspect.getsourcelines(fun)
+  (offset,) = [i for i, line in enumerate(lines) if text in line]
+  file = os.path.relpath(inspect.getsourcefile(fun))
+  return f"{file}:{start + offset} ({fun.__qualname__})"
 
 
 # ------------------------------------------------------------ control flow

@@ -11,9 +11,11 @@ package uses; tests/test_compat_names.py checks each on the running jax.
 
 What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
 `interpret`), `bind` (its `map_params` widens a float16 equation for the
-float32 reference), `user_frames`, `name_scopes`, the jaxpr types,
+float32 reference), `user_frames`, `traced_function` (where a call's
+body was written), `name_scopes`, the jaxpr types,
 `primitives` to match jax's own primitives by object
-(`eqn.primitive is compat.primitives.exp_p`), `remat_p`, and
+(`eqn.primitive is compat.primitives.exp_p`), `literal_value` (a literal's
+value as an array of its dtype, whatever jax holds in it), `remat_p`, and
 `custom_vjp_rules_keep_their_lines` (jax's table of transposition rules
 and its source-information context, so that a `custom_vjp`'s backward rule
 is named by its own lines; where a jax lacks them, it changes nothing).
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import source_info_util as _src_source_info
 from jax.extend import core as jex_core
 from jax.extend import source_info_util as source_info
@@ -46,6 +49,17 @@ Primitive = jex_core.Primitive
 # jax < 0.10: `DropVar` is public in `jax.core` only; jax >= 0.12: in
 # `jax.extend.core` only.
 DropVar = getattr(jex_core, "DropVar", None) or jax.core.DropVar
+
+
+def literal_value(literal: Any) -> Any:
+  """`literal`'s value, with the literal's dtype. jax 0.7.1 writes a Python
+  scalar passed to a `jit` (`jnp.where`'s `-inf`) as a literal holding the
+  bare Python number, with no dtype; jax 0.10.2 and later hold a typed
+  scalar (a `float` with a `dtype`) or an array."""
+  value = literal.val
+  if hasattr(value, "dtype"):
+    return value
+  return np.asarray(value, dtype=literal.aval.dtype)
 
 
 def _primitive(name: str) -> Any:
@@ -227,6 +241,18 @@ def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
     (frame.file_name, frame.start_line, frame.function_name)
     for frame in _user_frames(eqn.source_info.traceback)
   ]
+
+
+def traced_function(body: Any) -> tuple[str, str] | None:
+  """`(name, file)` of the function that call body `body` (a `ClosedJaxpr`)
+  was traced from, from its debug information; None when unknown (a
+  `functools.partial`, say)."""
+  info = getattr(body.jaxpr, "debug_info", None)
+  src = getattr(info, "func_src_info", None)
+  if not isinstance(src, str) or " at " not in src:
+    return None
+  name, place = src.split(" at ", 1)
+  return name, place.rsplit(":", 1)[0]
 
 
 def name_scopes(eqn: Any) -> tuple[tuple[str, ...], bool]:

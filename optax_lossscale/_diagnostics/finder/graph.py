@@ -217,7 +217,12 @@ class Measure:
     self._entered: dict[int, tuple[Any, Measure]] = {}
 
   def _read(self, v: Any) -> Any:
-    return v.val if isinstance(v, _compat.Literal) else self._env[v]
+    # A literal's value with its dtype: a bare Python number would not count
+    # as a floating-point input, and the body's cast of a `-inf` passed into
+    # a `jit` would seem to make its inf itself, hiding the mask.
+    if isinstance(v, _compat.Literal):
+      return _compat.literal_value(v)
+    return self._env[v]
 
   def node(self, v: Any) -> int:
     """The node of variable or literal `v`."""

@@ -49,11 +49,7 @@ def where(eqn: Any, context: tuple[Any, ...], boundary: bool) -> Where:
     names, t = _compat.name_scopes(e)
     scopes += [name for name in names if name not in _JAX_SCOPES]
     transposed = transposed or t
-  frames: list[Frame] = []
-  for e in (eqn, *reversed(context)):  # the innermost that has frames
-    frames = _compat.user_frames(e)
-    if frames:
-      break
+  frames = _frames(eqn, context)
   scaling = bool(frames) and _ours(frames[0][0])
   frames = _frames_of_fun(frames)
   source = code = line = None
@@ -78,6 +74,56 @@ def where(eqn: Any, context: tuple[Any, ...], boundary: bool) -> Where:
     scaling=scaling,
     line=line,
   )
+
+
+def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
+  """`eqn`'s frames, innermost first, inside the calls `context`; where it
+  has none (the body of `jnp.where`, written in jax), its call's.
+
+  A call's body may be traced once and reused at other calls of the same
+  function (jax 0.7.1 does so with `jnp.where`'s): its frames then end in
+  the frames of the call it was first traced at. Those are replaced by this
+  call's, so that a line is named where this call is. jax 0.10.2 and later
+  keep only the frames inside the body, which are left as they are."""
+  frames = _compat.user_frames(eqn)
+  if not context:
+    return frames
+  call = context[-1]
+  outer = _frames(call, context[:-1])
+  if not frames:
+    return outer
+  at_call = _compat.user_frames(call)
+  if not at_call or _root(frames) != _root(at_call):
+    return frames  # the body's own frames only
+  if frames[-len(at_call) :] == at_call:  # traced at this call
+    return frames[: -len(at_call)] + outer
+  return _inside_body(frames, call) + outer  # traced at another call
+
+
+def _root(frames: list[Frame]) -> tuple[str, str]:
+  """The outermost frame's file and function (not its line, which differs
+  from one call of the same program to the next)."""
+  file, _, function = frames[-1]
+  return file, function
+
+
+def _inside_body(frames: list[Frame], call: Any) -> list[Frame]:
+  """The innermost of `frames` up to the outermost frame of the function
+  that `call`'s body was traced from; none when it is not among them (a
+  body written in jax, whose frames `user_frames` leaves out)."""
+  body = _compat.call_body(call)
+  if body is None:
+    body = _compat.ruled_call_body(call)
+  traced = None if body is None else _compat.traced_function(body)
+  if traced is None:
+    return []
+  name, file = traced
+  inside = [
+    i
+    for i, (f, _, function) in enumerate(frames)
+    if f == file and function.rsplit(".", 1)[-1] == name
+  ]
+  return frames[: inside[-1] + 1] if inside else []
 
 
 def _ours(file: str) -> bool:
