@@ -150,15 +150,25 @@ def test_leaves_read_together_match_the_elementwise_definition(leaves):
   ]
 
 
-def test_every_leaf_of_every_per_leaf_group_counts():
-  """The per-leaf form reads leaves of one shape together, in groups; a
-  non-finite value in any leaf of any group is that leaf's alone."""
-  per = _finite._LEAVES_PER_REDUCTION
+@pytest.mark.parametrize(
+  "size, per",
+  [
+    (5, _finite._LEAVES_PER_STACK),  # small leaves: stacked
+    (_finite._CONCATENATE_BELOW, _finite._LEAVES_PER_REDUCTION),  # large
+  ],
+)
+def test_every_leaf_of_every_per_leaf_group_counts(size, per):
+  """The per-leaf form reads leaves of one shape together, in groups (small
+  ones stacked, large ones in one reduction), and puts their verdicts back
+  in leaf order; a non-finite value in any leaf of any group is that
+  leaf's alone, wherever leaves of other kinds sit between them."""
   count = 2 * per + 3
-  tree = [jnp.ones(5)] * count + [jnp.ones((2, 3), jnp.float16)] * 3
+  tree = [jnp.ones(size)] * count
+  for i in (1, per + 1, count):  # leaves of another kind in between
+    tree.insert(i, jnp.ones((2, 3), jnp.float16))
   verdict = _check_per_leaf(tree)
   assert bool(verdict.finite) and not any(map(bool, verdict.leaf_notfinite))
-  for bad in sorted({0, per - 1, per, count - 1, count, count + 2}):
+  for bad in sorted({0, 1, per - 1, per, per + 1, count, len(tree) - 1}):
     for special in (np.nan, np.inf, -np.inf):
       broken = list(tree)
       broken[bad] = (
