@@ -87,6 +87,11 @@ SLOW = {
     "test_held_scale_ignores_corrupted_batches": "same",
     "test_bad_batch_job_prints_reads_back_and_draws": "same",
     "test_notebook_executes_and_draws": "runs the notebook in a kernel",
+    "test_main_table_columns_line_up": "`trained`, through `printed`",
+    "test_main_job_writes_scales_as_powers_of_two": "same",
+    "test_main_job_says_activation_before_parameter": "same",
+    "test_main_job_numbers_steps_as_the_skip_report_does": "same",
+    "test_main_job_ends_with_the_result": "same",
   },
   "tests/test_gemma.py": {
     # Each runs the finder on the Gemma-style model (about 10 s); the
@@ -98,6 +103,7 @@ SLOW = {
     "test_backward_overflow_at_2_24_finder": "same",
     "test_rsqrt_derivative_at_a_tiny_variance_finder": "same",
     "test_the_finder_lets_no_numpy_warning_out": "same",
+    "test_a_healthy_step_has_no_overflow_and_the_mask_is_none": "same",
   },
   "tests/test_benchmarks.py": {
     "test_compile_time_tiny": "compiles many programs",
@@ -118,6 +124,12 @@ SLOW = {
     "test_example_trains_in_float16[linen_trainstate_fp16]": "a training run",
     "test_example_trains_in_float16[equinox_mlp_fp16]": "a training run",
   },
+  "tests/test_doc_outputs.py": {
+    "test_printed_output_matches[docs/recipes.md]": "runs the page, as"
+    " test_doc_snippets.py's slow case of it does",
+    "test_printed_output_matches[docs/frameworks.md]": "same",
+    "test_printed_output_matches[docs/float16_goes_wrong.md]": "same",
+  },
   "tests/test_doc_snippets.py": {
     "test_page_runs[docs/recipes.md]": "trains several models",
     "test_page_runs[docs/frameworks.md]": "trains in every framework",
@@ -137,6 +149,35 @@ SLOW = {
     "test_sigkill_then_resume_equals_uninterrupted"
     "[kill-during-overflow-streak]": "three subprocesses; the clean-run "
     "case stays in the fast subset",
+  },
+  "tests/test_faults.py": {
+    "test_random_fault_schedules[hysteresis3-odd-factors]": "50 schedules"
+    " each; the keras-like configuration stays in the fast subset",
+    "test_random_fault_schedules[below-one]": "same",
+    "test_random_fault_schedules[hysteresis2-pinned-max]": "same",
+    "test_random_fault_schedules[static]": "same",
+    "test_random_fault_schedules[inject-hyperparams]": "same",
+  },
+  "tests/test_optax_sweep.py": {
+    "test_wrapped_like_plain[optax.adabelief]": "the sweep's slowest"
+    " compilations; the rest of the sweep stays in the fast subset",
+    "test_wrapped_like_plain[optax.scale_by_lbfgs]": "same",
+    "test_wrapped_like_plain[optax.noisy_sgd]": "same",
+  },
+  "tests/test_training.py": {
+    "test_flax_train_state_trains_in_float16": "a training run (the"
+    " TrainState step stays in the fast subset, in test_frameworks.py)",
+  },
+  "tests/test_distributed.py": {
+    "test_two_processes_skip_together": "starts two processes",
+  },
+  "tests/test_step_on_meshes.py": {
+    "test_gemma_inf_loss_with_its_batch_sharded_is_skipped": "trains the"
+    " model on a mesh and on one device",
+    "test_gemma_inf_loss_with_its_batch_sharded_diagnosis": "same",
+  },
+  "tests/test_find_overflow_cases.py": {
+    "test_the_memory_benchmark_runs_tiny": "a process per variant",
   },
   "tests/test_checkpoint.py": {
     "test_migrate_plain_optax_checkpoint": "orbax saves and restores",
