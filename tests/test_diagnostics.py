@@ -262,6 +262,21 @@ def test_leaf_stats_in_nnx_and_train_state():
   counts = ols.nonfinite_leaves(optimizer)
   assert sorted(int(c) for c in jax.tree.leaves(counts)) == [1, 1]
   assert int(ols.skip_stats(optimizer).total_skipped) == 1
+  # Every view NNX gives of the optimizer keeps the counts' names: the
+  # tree they are counted by holds no arrays, and is not dropped.
+  bias_only = jax.tree_util.tree_map_with_path(
+    lambda path, g: (
+      g if "bias" in jax.tree_util.keystr(path) else jnp.zeros_like(g)
+    ),
+    grads,
+  )
+  optimizer.update(model, bias_only)
+  views = [optimizer.opt_state, nnx.state(optimizer), nnx.split(optimizer)[1]]
+  for view in (optimizer, *views):
+    counts = ols.nonfinite_leaves(view)
+    assert {k: int(v) for k, v in counts.items()} == {"bias": 2, "kernel": 1}
+    text = str(ols.skip_report(view, tx))
+    assert "2 steps  bias" in text and "1 step   kernel" in text, text
 
   ts = train_state.TrainState.create(
     apply_fn=None,
