@@ -434,3 +434,21 @@ def test_keras_export_refuses_what_keras_cannot_do():
     ols.to_keras_config(tx)
   counted = ols.loss_scale_optimizer(optax.sgd(0.1), leaf_stats=True)
   assert ols.to_keras_config(counted)["dynamic"] is True
+
+
+def test_leaf_stats_name_what_they_count_by():
+  # The counts are named by the params' tree with `()` for each leaf: an
+  # empty tuple in the params themselves is refused at `init`, not taken
+  # for a leaf (None, the other empty subtree, is counted past).
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1), leaf_stats=True)
+  with pytest.raises(ValueError, match=r"hold an empty tuple `\(\)`"):
+    tx.init({"w": jnp.ones(2), "none_yet": ()})
+  params = {"w": jnp.ones(2), "none_yet": None, "b": jnp.ones(1)}
+  state = tx.init(params)
+  grads = {"w": jnp.array([1.0, jnp.inf]), "none_yet": None, "b": jnp.ones(1)}
+  _, state = tx.update(grads, state, params)
+  assert jax.tree.map(int, ols.nonfinite_leaves(state)) == {
+    "b": 0,
+    "none_yet": None,
+    "w": 1,
+  }

@@ -140,9 +140,18 @@ def _zero_count() -> jax.Array:
 
 def zero_leaf_counts(params: Any) -> LeafCounts:
   """A zero count for each leaf of `params` (of the gradients)."""
+  leaves = len(jax.tree.leaves(params))
+  structure = jax.tree.map(lambda _: (), params)
+  if len(jax.tree.leaves(structure, is_leaf=is_placeholder)) != leaves:
+    raise ValueError(
+      "`leaf_stats=True` keeps the params' tree with `()` in place of each"
+      " leaf, to name the counts by; these params hold an empty tuple `()`"
+      " of their own, which would be taken for a leaf. Replace it with"
+      " None (an empty subtree too), or build the optimizer without"
+      " `leaf_stats`."
+    )
   return LeafCounts(
-    counts=jnp.zeros([len(jax.tree.leaves(params))], COUNTER_DTYPE),
-    structure=jax.tree.map(lambda _: (), params),
+    counts=jnp.zeros([leaves], COUNTER_DTYPE), structure=structure
   )
 
 
