@@ -152,12 +152,7 @@ def _check_here(leaves: list[jax.Array], per_leaf: bool) -> Verdict:
   """
   if per_leaf:
     codes = _leaf_codes(leaves)
-    finite, nan = lax.reduce(
-      (codes == FINITE, codes == NAN),
-      (np.bool_(True), np.bool_(False)),
-      _and_or,
-      (0,),
-    )
+    finite, nan = _every_and_some(codes == FINITE, codes == NAN, (0,))
     return Verdict(finite, nan, codes != FINITE)
   finite, nan = lax.platform_dependent(
     *leaves, cpu=_on_cpu, default=_concatenated
@@ -318,13 +313,8 @@ def _read_stacked(leaves: Sequence[jax.Array]) -> jax.Array:
   vector: one reduction of the leaves stacked."""
   magnitude, inf = _MASKS[leaves[0].dtype]
   bits = _magnitude_bits(jnp.stack(leaves), magnitude)
-  # Two booleans, as in `_one_pass`: XLA on CPU keeps a reduction of two
-  # operands whole, with its input fused in.
-  finite, nan = lax.reduce(
-    (lax.lt(bits, inf), lax.gt(bits, inf)),
-    (np.bool_(True), np.bool_(False)),
-    _and_or,
-    tuple(range(1, bits.ndim)),
+  finite, nan = _every_and_some(
+    lax.lt(bits, inf), lax.gt(bits, inf), tuple(range(1, bits.ndim))
   )
   # A NaN is not finite either: 1 + 1 is `NAN`.
   return lax.add(
@@ -451,20 +441,27 @@ def _one_pass(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
   # float16 leaves), and no float max (XLA's vectorized float max on CPU
   # drops NaNs in large arrays).
   largest = _balanced_max([_magnitude_bits(x, magnitude) for x in leaves])
-  # A reduction of two operands at once, both booleans: is every element
-  # finite, is any NaN. XLA on CPU splits a one-operand reduction into a
-  # tree of reduce-windows and materializes its input in front of it,
-  # through a transposing copy when the gradient is a transposed matmul
-  # output (and it did the same to a variadic max of the integers); it
-  # leaves this reduction whole, with its input fused in: one pass over the
-  # leaves, no temporary.
-  finite, any_nan = lax.reduce(
-    (lax.lt(largest, inf), lax.gt(largest, inf)),
-    (np.bool_(True), np.bool_(False)),
-    _and_or,
-    tuple(range(largest.ndim)),
+  return _every_and_some(
+    lax.lt(largest, inf), lax.gt(largest, inf), tuple(range(largest.ndim))
   )
-  return finite, any_nan
+
+
+def _every_and_some(
+  every: jax.Array, some: jax.Array, dimensions: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
+  """`(all(every), any(some))` over `dimensions`, in one reduction of the
+  two booleans at once (here: is every element finite, is any NaN).
+
+  XLA on CPU splits a one-operand reduction into a tree of reduce-windows
+  and materializes its input in front of it, through a transposing copy
+  when the gradient is a transposed matmul output (and it did the same to
+  a variadic max of the integers, and split a max of the per-leaf codes
+  through their concatenation); it leaves this reduction whole, with its
+  input fused in: one pass, no temporary.
+  """
+  return lax.reduce(
+    (every, some), (np.bool_(True), np.bool_(False)), _and_or, dimensions
+  )
 
 
 def _balanced_max(values: list[jax.Array]) -> jax.Array:

@@ -430,7 +430,7 @@ class _Facts:
 
   @property
   def every_skip_shown(self) -> bool:
-    return self.total_skipped == len(self.recent)
+    return _every_skip_kept(self.total_skipped, self.recent)
 
   @property
   def streak(self) -> tuple[Event, ...]:
@@ -603,20 +603,28 @@ def _has(event: Event, cause: str) -> bool:
   return cause in event[1]
 
 
+def _gradients_not_finite(event: Event) -> bool:
+  return _has(event, "inf") or _has(event, "NaN")
+
+
+def _gradients_only(event: Event) -> bool:
+  """Skipped for its gradients, with no non-finite loss recorded."""
+  return not _has(event, "loss") and _gradients_not_finite(event)
+
+
+def _every_skip_kept(total_skipped: int, recent: tuple[Event, ...]) -> bool:
+  """The state keeps every skip of the run (at most `RECENT_SKIPS`)."""
+  return total_skipped == len(recent)
+
+
 def _gradients_finite_on_every_skip(
   total_skipped: int, recent: tuple[Event, ...]
 ) -> bool:
   """Every skip is kept in the state, and none recorded non-finite
   gradients (each was for the loss alone)."""
-  every_skip_shown = total_skipped == len(recent)
-  return every_skip_shown and not any(
-    _has(e, "inf") or _has(e, "NaN") for e in recent
+  return _every_skip_kept(total_skipped, recent) and not any(
+    _gradients_not_finite(e) for e in recent
   )
-
-
-def _gradients_only(event: Event) -> bool:
-  """Skipped for its gradients, with no non-finite loss recorded."""
-  return not _has(event, "loss") and (_has(event, "inf") or _has(event, "NaN"))
 
 
 def _lowered(event: Event) -> bool:
