@@ -76,6 +76,8 @@ def test_leaf_stats_tiny(capsys):
   assert "device:" in out and "leaf_stats" in out
   for seconds in (*results["run_s"].values(), *results["compile_s"].values()):
     assert seconds > 0 and math.isfinite(seconds)
+  fusions = results["fusions"]
+  assert 0 < fusions["default"] <= fusions["leaf_stats"]
 
 
 def test_compile_time_gpt_has_148_leaves_at_12_blocks():
