@@ -12,8 +12,8 @@ import optax
 
 import optax_lossscale as ols
 from optax_lossscale._core import finite as _finite
-from optax_lossscale._core import interpret as _interpret
 from optax_lossscale._core import skip as _skip
+from optax_lossscale._jaxpr import interpret as _interpret
 
 # Parameters and gradients of two leaves of different shapes.
 PARAMS = {

@@ -15,7 +15,7 @@ from _helpers import GRADS, PARAMS, assert_trees_equal, forbid_fallback
 from test_compat_names import closed_call
 
 import optax_lossscale as ols
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._jaxpr import compat as _compat
 
 
 def in_closed_call(inner):

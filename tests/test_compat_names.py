@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._jaxpr import compat as _compat
 
 
 def closed_call(f, *args):

@@ -7,7 +7,7 @@ changes how XLA allocates the flag it computes, never its value.
 import jax
 from jax import lax
 
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._jaxpr import compat as _compat
 
 
 def last_finite_flag(old_flag: jax.Array, finite: jax.Array) -> jax.Array:

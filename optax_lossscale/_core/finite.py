@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale._core import compat as _compat
 from optax_lossscale._core import config as _config
 from optax_lossscale._core import placement as _placement
+from optax_lossscale._jaxpr import compat as _compat
 
 FINITE, INF, NAN = 0, 1, 2
 CODE_DTYPE = jnp.int32

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale._core import compat as _compat
-from optax_lossscale._core import interpret as _interpret
 from optax_lossscale._core import placement as _placement
+from optax_lossscale._jaxpr import compat as _compat
+from optax_lossscale._jaxpr import interpret as _interpret
 
 
 def keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:

@@ -3,7 +3,7 @@ the pass it belongs to, and how close every scope runs to float16's edges.
 
 The function and its gradient are traced once (`jax.make_jaxpr` of the
 scaled loss's `value_and_grad`), and the trace is evaluated by
-`_core.interpret.evaluate` under one `jax.jit`, with a visitor
+`_jaxpr.interpret.evaluate` under one `jax.jit`, with a visitor
 (`finder.graph`) that reduces every floating-point value to a few numbers
 where it is made. The numbers come back as two small arrays; which value is
 the first harmful overflow is decided on the host (`finder.analysis`).
@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._core import compat
-from optax_lossscale._core import interpret as _interpret
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder.analysis import Analysis, Outputs
 from optax_lossscale._diagnostics.finder.compile import compile_for_one_run
 from optax_lossscale._diagnostics.finder.program import Program, scale_value
 from optax_lossscale._diagnostics.overflow_report import OverflowReport
+from optax_lossscale._jaxpr import compat
+from optax_lossscale._jaxpr import interpret as _interpret
 
 
 def find_overflow(

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._core import compat as _compat
 from optax_lossscale._diagnostics.finder import primitives as _prims
 from optax_lossscale._diagnostics.finder import source as _source
 from optax_lossscale._diagnostics.finder import statistics as _statistics
@@ -17,6 +16,7 @@ from optax_lossscale._diagnostics.finder.reference import (
   float32_reference,
   has_body,
 )
+from optax_lossscale._jaxpr import compat as _compat
 
 # Values of one size made one after the other are reduced together, this
 # many at most: fewer kernels to compile, each holding a few values a

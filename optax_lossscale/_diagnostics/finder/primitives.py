@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import primitives as _p
 
-from optax_lossscale._core import compat
+from optax_lossscale._jaxpr import compat
 
 # Operations that only rearrange their inputs' elements (or copy them): an
 # output element is an input element, so an output is finite exactly when

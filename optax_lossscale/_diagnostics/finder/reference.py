@@ -6,8 +6,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._core import compat as _compat
 from optax_lossscale._diagnostics.finder.primitives import NO_REFERENCE
+from optax_lossscale._jaxpr import compat as _compat
 
 
 def float32_reference(eqn: Any, ins: list[Any]) -> list[Any] | None:

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._jaxpr import compat as _compat
 
 _PACKAGE_DIR = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ re-bound are jax internals: `compat` holds them.
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from optax_lossscale._core import compat as _compat
+from optax_lossscale._jaxpr import compat as _compat
 
 
 class Visitor(Protocol):
