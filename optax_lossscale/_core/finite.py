@@ -32,6 +32,10 @@ class Verdict(NamedTuple):
   # to the counts, since a scalar per leaf made XLA compile a step of a
   # thousand leaves slowly (benchmarks/README.md).
   leaf_notfinite: jax.Array | None
+  # Whether every leaf was checked where a NaN can be told from an inf: a
+  # static fact of the program (False where some leaf lives on a mesh with
+  # `Auto` axes, inside `shard_map` too, where a NaN counts as an inf).
+  nan_told_apart: bool = True
 
   @property
   def code(self) -> jax.Array:
@@ -115,15 +119,16 @@ def check(tree: Any, per_leaf: bool = False) -> Verdict:
   finite, nan = parts[0][1].finite, parts[0][1].nan
   for _, verdict in parts[1:]:
     finite, nan = finite & verdict.finite, nan | verdict.nan
+  told = not auto
   if not per_leaf:
-    return Verdict(finite, nan, None)
+    return Verdict(finite, nan, None, told)
   pieces = [verdict.leaf_notfinite for _, verdict in parts]
   order = [i for indices, _ in parts for i in indices]
   unchecked = sorted(set(range(len(leaves))) - set(checked))
   if unchecked:
     pieces.append(jnp.zeros([len(unchecked)], jnp.bool_))
     order += unchecked
-  return Verdict(finite, nan, _in_leaf_order(pieces, order))
+  return Verdict(finite, nan, _in_leaf_order(pieces, order), told)
 
 
 def _in_leaf_order(pieces: list[Any], order: list[int]) -> jax.Array:
