@@ -12,6 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+
+def enable_x64():
+  """`jax.enable_x64(True)` (jax >= 0.8), or `jax.experimental.enable_x64()`
+  (jax 0.7)."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax import experimental
+
+  return experimental.enable_x64()
+
+
 PRODUCTS = frozenset(
   {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 )

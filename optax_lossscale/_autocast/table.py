@@ -28,7 +28,8 @@ class Rule(enum.Enum):
 
 
 # (rule, why, primitive names); a name that the running jax lacks is left
-# out (`log2_p` is new in jax 0.12).
+# out (`log2_p`, `one_minus_square_p` and `polynomial_p` are new in jax
+# 0.12).
 ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
   (
     Rule.PRODUCT,
@@ -51,7 +52,13 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
     Rule.FLOAT32,
     "powers overflow float16 early: a norm's square of activations above"
     " 256, the cube of tanh-gelu above 40",
-    ("pow_p", "integer_pow_p", "square_p"),
+    (
+      "pow_p",
+      "integer_pow_p",
+      "square_p",
+      "one_minus_square_p",
+      "polynomial_p",
+    ),
   ),
   (
     Rule.FLOAT32,
@@ -85,6 +92,11 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
       "sinh_p",
       "erf_inv_p",
     ),
+  ),
+  (
+    Rule.FLOAT32,
+    "jax has no 16-bit complex type: a complex number is built from float32",
+    ("complex_p",),
   ),
   (
     Rule.FLOAT32,
@@ -143,10 +155,6 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
       "gt_p",
       "ge_p",
       "select_n_p",
-      "complex_p",
-      "real_p",
-      "imag_p",
-      "conj_p",
     ),
   ),
   (

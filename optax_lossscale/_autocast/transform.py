@@ -126,9 +126,9 @@ def call(
 ) -> Any:
   """`fun(*args, **kwargs)` under `policy`: traced, then evaluated on the
   arguments' values (tracers of the trace around it, or arrays)."""
+  _records.record(policy)
   arguments = _arguments.Arguments(args, kwargs)
   closed, results, state = _arguments.trace(fun, arguments)
-  _records.record(policy)
   dtypes = [v.aval.dtype for v in closed.jaxpr.outvars]
   outs, _ = Evaluator(policy).run(
     closed, arguments.arrays, Where(), out_dtypes=dtypes

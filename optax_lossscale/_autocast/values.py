@@ -96,14 +96,11 @@ class Ranges:
 
   def _fits(self, source: Any, dtype: Any) -> bool:
     largest, smallest = self._range(source)
-    info = jnp.finfo(dtype)
     source_dtype = dtype_of(source)
     with np.errstate(over="ignore", under="ignore"):
       as_dtype = np.asarray([largest, smallest], source_dtype).astype(dtype)
     finite = largest == 0 or bool(np.isfinite(as_dtype[0]))
-    nonzero = smallest == np.inf or (
-      bool(as_dtype[1] != 0) and smallest <= float(info.max)
-    )
+    nonzero = smallest == np.inf or bool(as_dtype[1] != 0)
     return finite and nonzero
 
   def _range(self, source: Any) -> tuple[float, float]:
