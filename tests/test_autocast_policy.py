@@ -38,18 +38,6 @@ def mlp():
   return params, x, y
 
 
-def _mlp_by_hand(params, x, y):
-  """The policy of `autocast(mlp_loss)` written by hand: products on float16
-  casts, the float32 bias promoting their results to float32."""
-  h = x
-  for i, layer in enumerate(params):
-    h = h.astype(F16) @ layer["w"].astype(F16) + layer["b"]
-    if i < len(params) - 1:
-      h = jax.nn.gelu(h)
-  logp = jax.nn.log_softmax(h)
-  return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
-
-
 def test_every_product_of_the_gradient_program_is_float16(mlp):
   grad = jax.value_and_grad(ols.autocast(helpers.mlp_loss))
   program = jax.make_jaxpr(grad)(*mlp)
@@ -88,7 +76,10 @@ def test_the_compiled_step_is_the_hand_conversion_op_for_op(mlp):
   def lowered(loss):
     return jax.jit(jax.value_and_grad(loss)).lower(*mlp)
 
-  ours, theirs = lowered(ols.autocast(helpers.mlp_loss)), lowered(_mlp_by_hand)
+  ours, theirs = (
+    lowered(ols.autocast(helpers.mlp_loss)),
+    lowered(helpers.mlp_loss_by_hand),
+  )
   assert _typed_ops(ours.compile()) == _typed_ops(theirs.compile())
 
   def products(low):
