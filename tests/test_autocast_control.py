@@ -238,6 +238,7 @@ def test_jit_and_grad_around():
 # The training step.
 
 
+@pytest.mark.slow
 def test_a_jitted_step_with_the_loss_scaler_does_not_retrace():
   tx = ols.loss_scale_optimizer(optax.adam(1e-2))
   loss = ols.autocast(helpers.mlp_loss)
