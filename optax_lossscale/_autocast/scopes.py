@@ -18,9 +18,8 @@ from typing import Any
 
 from optax_lossscale._jaxpr import compat as _compat
 
-_PACKAGE_DIR = os.path.dirname(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+# optax_lossscale/, whose frames end the frames of `fun`.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 Frame = tuple[str, int, str]  # file, line, qualified function name
 
