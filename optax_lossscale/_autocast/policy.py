@@ -46,7 +46,7 @@ def make_policy(
   mixed=...)`; raises `TypeError` or `ValueError` on a bad argument."""
   if not callable(fun):
     raise TypeError(
-      "autocast: `fun` must be callable (the function to run under the"
+      "`fun` must be callable (the function to run under the"
       f" policy, such as the loss), got {_describe(fun)}."
     )
   return fun, Policy(
@@ -58,7 +58,7 @@ def _describe(value: Any) -> str:
   text = repr(value)
   if len(text) > 60:
     text = text[:57] + "..."
-  return f"{text} (a {type(value).__name__})"
+  return f"{text} of type {type(value).__name__}"
 
 
 def _compute_dtype(dtype: Any) -> np.dtype:
@@ -67,18 +67,16 @@ def _compute_dtype(dtype: Any) -> np.dtype:
     " names, such as 'float16')"
   )
   if isinstance(dtype, bool) or dtype is None:
-    raise TypeError(
-      f"autocast: `dtype` must be {accepted}, got {_describe(dtype)}."
-    )
+    raise TypeError(f"`dtype` must be {accepted}, got {_describe(dtype)}.")
   try:
     found = np.dtype(dtype)
   except TypeError:
     raise TypeError(
-      f"autocast: `dtype` must be {accepted}, got {_describe(dtype)}."
+      f"`dtype` must be {accepted}, got {_describe(dtype)}."
     ) from None
   if found not in COMPUTE_DTYPES:
     raise ValueError(
-      f"autocast: `dtype` must be float16 or bfloat16, got {found.name}:"
+      f"`dtype` must be float16 or bfloat16, got {found.name}:"
       " products run in `dtype`, and the policy keeps float32 for the"
       " operations that need it."
     )
@@ -88,7 +86,7 @@ def _compute_dtype(dtype: Any) -> np.dtype:
 def _scope_entries(keep_float32: Any) -> tuple[tuple[str, ...], ...]:
   if isinstance(keep_float32, (str, bytes)):
     raise TypeError(
-      "autocast: `keep_float32` must be a sequence of name scopes or"
+      "`keep_float32` must be a sequence of name scopes or"
       f" call-path names, got the string {keep_float32!r}; pass a tuple:"
       f" keep_float32=({keep_float32!r},)."
     )
@@ -96,7 +94,7 @@ def _scope_entries(keep_float32: Any) -> tuple[tuple[str, ...], ...]:
     keep_float32, (collections.abc.Sequence, collections.abc.Set)
   ):
     raise TypeError(
-      "autocast: `keep_float32` must be a sequence of strings (name"
+      "`keep_float32` must be a sequence of strings (name"
       " scopes such as 'attention' or 'decoder/attention', call-path"
       f" names such as 'RMSNorm'), got {_describe(keep_float32)}."
     )
@@ -104,7 +102,7 @@ def _scope_entries(keep_float32: Any) -> tuple[tuple[str, ...], ...]:
   for entry in keep_float32:
     if not isinstance(entry, str):
       raise TypeError(
-        "autocast: every entry of `keep_float32` must be a string, got"
+        "every entry of `keep_float32` must be a string, got"
         f" {_describe(entry)} in {keep_float32!r}."
       )
     entries.append(_components(entry))
@@ -121,7 +119,7 @@ def _components(entry: str) -> tuple[str, ...]:
   components = tuple(text.split("/"))
   if not text or not all(components):
     raise ValueError(
-      f"autocast: the `keep_float32` entry {entry!r} is not a name scope:"
+      f"the `keep_float32` entry {entry!r} is not a name scope:"
       " it must be one or more non-empty names joined by '/', such as"
       " 'attention' or 'decoder/attention'."
     )
@@ -131,7 +129,7 @@ def _components(entry: str) -> tuple[str, ...]:
 def _mixed_rule(mixed: Any) -> str:
   if not isinstance(mixed, str) or mixed not in MIXED_RULES:
     raise ValueError(
-      "autocast: `mixed` must be 'promote' (an operation with float16 and"
+      "`mixed` must be 'promote' (an operation with float16 and"
       " float32 operands runs in float32) or 'cast' (it runs in `dtype`),"
       f" got {_describe(mixed)}."
     )
