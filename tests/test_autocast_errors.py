@@ -133,7 +133,7 @@ def test_a_host_callback_gets_its_traced_dtypes():
   got = jax.jit(ols.autocast(fun))(X)
   assert seen[-1] == F32
   np.testing.assert_allclose(got, fun(X), rtol=5e-3)
-  assert _outside(fun, X) == {"pure_callback"}
+  assert set(_outside(fun, X)) == {"pure_callback"}
 
 
 def test_io_callback_and_debug_print_run():
@@ -174,3 +174,21 @@ def test_a_pallas_kernel_runs_in_its_traced_dtypes():
   got = ols.autocast(fun)(X)
   assert got.dtype == F32
   np.testing.assert_allclose(got, fun(X), rtol=5e-3)
+
+
+def test_the_primitives_outside_the_policy_are_logged_with_their_line(caplog):
+  def fun(x):
+    h = x @ x
+    shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    return jax.pure_callback(lambda v: np.asarray(v), shape, h)
+
+  line = fun.__code__.co_firstlineno + 3
+  with caplog.at_level("INFO", logger="optax_lossscale.autocast"):
+    ols.autocast(fun)(X)
+  assert caplog.messages == [
+    "autocast(fun): outside the policy, in their traced dtypes:"
+    f" pure_callback (test_autocast_errors.py:{line})"
+  ]
+  caplog.clear()
+  ols.autocast(lambda x: jnp.tanh(x @ x))(X)  # all within the policy
+  assert caplog.messages == []

@@ -46,13 +46,14 @@ class Where:
 class Evaluator:
   """Evaluates jaxprs under one policy; `outside` collects the primitives
   that ran on floating-point values in their traced dtypes because the
-  table does not list them."""
+  table does not list them, each with the first place it was made at (the
+  user's `file:line`, or None)."""
 
   def __init__(self, policy: Policy):
     self.policy = policy
     self.scopes = _scopes.Scopes(policy.keep_float32)
     self.ranges = _values.Ranges()
-    self.outside: set[str] = set()
+    self.outside: dict[str, str | None] = {}
     # One cast per value and dtype in each body (as a hand conversion
     # writes it once): `(id(value), dtype) -> (value, cast)`, the value
     # kept so that its id stays its own. A body is traced on its own (a
@@ -205,8 +206,10 @@ class Evaluator:
     """Binds `eqn` as it was traced, its floating-point inputs cast back to
     their traced dtypes."""
     floats = [_values.is_float(x) for x in invals]
+    name = eqn.primitive.name
     if any(floats) and eqn.primitive not in _compat.RULED_CALLS:
-      self.outside.add(eqn.primitive.name)
+      if name not in self.outside:
+        self.outside[name] = _scopes.user_line(eqn)
     targets = [
       v.aval.dtype if f else None
       for v, f in zip(eqn.invars, floats, strict=True)

@@ -109,3 +109,12 @@ def _frames_of_fun(frames: list[Frame]) -> list[Frame]:
     if os.path.abspath(file).startswith(_PACKAGE_DIR + os.sep):
       return frames[:i]
   return frames
+
+
+def user_line(eqn: Any) -> str | None:
+  """`file:line` of the innermost frame of `fun` that made `eqn`, or None."""
+  frames = _frames_of_fun(_compat.user_frames(eqn))
+  if not frames:
+    return None
+  file, line, _ = frames[0]
+  return f"{os.path.basename(file)}:{line}"

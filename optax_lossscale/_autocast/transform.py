@@ -1,6 +1,7 @@
 """`autocast`: a function run with op-level mixed precision."""
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -11,6 +12,8 @@ from optax_lossscale._autocast import records as _records
 from optax_lossscale._autocast.interpreter import Evaluator, Where
 from optax_lossscale._autocast.policy import Policy, make_policy
 
+# Where autocast says, at INFO, which primitives ran outside its policy.
+LOGGER = logging.getLogger("optax_lossscale.autocast")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -130,9 +133,27 @@ def call(
   arguments = _arguments.Arguments(args, kwargs)
   closed, results, state = _arguments.trace(fun, arguments)
   dtypes = [v.aval.dtype for v in closed.jaxpr.outvars]
-  outs, _ = Evaluator(policy).run(
-    closed, arguments.arrays, Where(), out_dtypes=dtypes
-  )
+  evaluator = Evaluator(policy)
+  outs, _ = evaluator.run(closed, arguments.arrays, Where(), out_dtypes=dtypes)
+  if evaluator.outside:
+    _say_outside(fun, evaluator.outside)
   n = len(results.arrays)
   arguments.write_back(state.rebuild(outs[n:]))
   return results.rebuild(outs[:n])
+
+
+def _say_outside(
+  fun: Callable[..., Any], outside: dict[str, str | None]
+) -> None:
+  """Logs the primitives that ran outside the policy (one line a trace)."""
+  if not LOGGER.isEnabledFor(logging.INFO):
+    return
+  named = ", ".join(
+    name if where is None else f"{name} ({where})"
+    for name, where in outside.items()
+  )
+  LOGGER.info(
+    "autocast(%s): outside the policy, in their traced dtypes: %s",
+    getattr(fun, "__name__", type(fun).__name__),
+    named,
+  )
