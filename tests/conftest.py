@@ -129,12 +129,14 @@ SLOW = {
     " test_doc_snippets.py's slow case of it does",
     "test_printed_output_matches[docs/frameworks.md]": "same",
     "test_printed_output_matches[docs/float16_goes_wrong.md]": "same",
+    "test_printed_output_matches[docs/autocast.md]": "same",
   },
   "tests/test_doc_snippets.py": {
     "test_page_runs[docs/recipes.md]": "trains several models",
     "test_page_runs[docs/frameworks.md]": "trains in every framework",
     "test_page_runs[docs/composition.md]": "many optimizers",
     "test_page_runs[docs/float16_goes_wrong.md]": "trains several models",
+    "test_page_runs[docs/autocast.md]": "traces each framework's model",
   },
   "tests/test_finite.py": {
     "test_unscaled_check_matches_the_elementwise_definition": "hypothesis "

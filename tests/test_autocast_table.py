@@ -4,6 +4,8 @@ product's result), gets its operands in the dtypes its row says. And each
 name the table and the policy's compat entries use resolves on the running
 jax."""
 
+import pathlib
+
 import _autocast as helpers
 import jax
 import jax.numpy as jnp
@@ -257,3 +259,30 @@ def test_a_scatter_that_combines_runs_as_traced():
   )
   assert np.dtype(eqn.invars[0].aval.dtype) == F32
   np.testing.assert_array_equal(fun(x), x.at[_I].add(1.0))
+
+
+# docs/autocast.md shows the table: it must be this module's, row by row.
+
+RUNS_IN = {
+  Rule.PRODUCT: "`dtype`",
+  Rule.FLOAT32: "float32",
+  Rule.FOLLOW: "its operands' dtypes",
+  Rule.EACH: "each operand's own dtype",
+  Rule.CAST: "as written",
+}
+
+
+def _page_table() -> list[str]:
+  lines = ["| runs in | primitives | why |", "| --- | --- | --- |"]
+  for rule, why, names in table.ROWS:
+    found = ", ".join(f"`{name.removesuffix('_p')}`" for name in names)
+    lines.append(f"| {RUNS_IN[rule]} | {found} | {why} |")
+  return lines
+
+
+def test_the_docs_page_shows_this_table():
+  page = (
+    pathlib.Path(__file__).parents[1] / "docs" / "autocast.md"
+  ).read_text()
+  expected = "\n".join(_page_table())
+  assert expected in page, "docs/autocast.md's table should read:\n" + expected

@@ -116,10 +116,10 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
   ),
   (
     Rule.FOLLOW,
-    "safe in float16 wherever their inputs are: arithmetic, comparisons,"
-    " bounded functions, selections; `div` runs in float32 where its"
-    " dividend is a constant (torch's reciprocal: 1/x's derivative -1/x**2"
-    " overflows float16 below 2**-8)",
+    "torch.autocast runs them in their inputs' dtype: arithmetic,"
+    " comparisons, bounded functions, selections; `div` runs in float32"
+    " where its dividend is a constant (torch's reciprocal: 1/x's"
+    " derivative -1/x**2 overflows float16 below 2**-8)",
     (
       "add_p",
       "sub_p",
@@ -159,7 +159,7 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
   ),
   (
     Rule.FOLLOW,
-    "move, pick or compare values without computing new ones",
+    "move or pick values without computing new ones",
     (
       "broadcast_in_dim_p",
       "reshape_p",
