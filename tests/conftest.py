@@ -109,6 +109,7 @@ SLOW = {
     "test_compile_time_tiny": "compiles many programs",
     "test_train_step_tiny": "times several train steps",
     "test_device_time_tiny": "profiles several train steps",
+    "test_autocast_tiny": "compiles five variants of two models",
     "test_sharded_tiny_report": "the `sharded_tiny` fixture: every mesh, "
     "layout and recipe",
     "test_sharded_tiny_structural_claims": "same",
