@@ -34,6 +34,7 @@ import collections
 import functools
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -66,8 +67,8 @@ def _log_softmax(logits: Any, hooks: Hooks) -> Any:
   """jax.nn.log_softmax, written out so that `hooks` reach its exp, log and
   sum (as the policy reaches them inside jax's)."""
   shifted = logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True))
-  total = jnp.sum(jnp.exp(hooks.sensitive(shifted)), -1, keepdims=True)
-  return hooks.sensitive(shifted) - jnp.log(total)
+  shifted = hooks.sensitive(shifted)
+  return shifted - jnp.log(jnp.sum(jnp.exp(shifted), -1, keepdims=True))
 
 
 def _cross_entropy(logits: Any, labels: Any, hooks: Hooks) -> Any:
@@ -102,8 +103,8 @@ def mlp_loss(params: list[Any], batch: Any, hooks: Hooks) -> Any:
 def _gelu(x: Any, hooks: Hooks) -> Any:
   """jax.nn.gelu's tanh form, written out for the hooks (its cube is on
   the float32 list)."""
-  cube = hooks.sensitive(x) ** 3
-  inner = math.sqrt(2 / math.pi) * (x + 0.044715 * cube)
+  wide = hooks.sensitive(x)
+  inner = math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3)
   return 0.5 * x * (1 + jnp.tanh(inner))
 
 
@@ -147,7 +148,10 @@ def _attention(p: Any, x: Any, heads: int, hooks: Hooks) -> Any:
     1.0 / math.sqrt(width // heads)
   )
   causal = jnp.tril(jnp.ones((seq, seq), bool))
-  probs = jax.nn.softmax(jnp.where(causal, logits, K_MASK), axis=-1)
+  # K_MASK is beyond float16: the select, and the softmax after it, are
+  # float32 (by hand: the logits cast up, as the policy does).
+  masked = jnp.where(causal, hooks.sensitive(logits), K_MASK)
+  probs = jax.nn.softmax(masked, axis=-1)
   mixed = jnp.einsum("bhqk,bkhd->bqhd", hooks.product(probs), hooks.product(v))
   return hooks.product(mixed.reshape(batch, seq, width)) @ hooks.product(p["o"])
 
@@ -206,6 +210,24 @@ def products(lowered: Any) -> dict[str, int]:
   return dict(counts)
 
 
+# `[ROOT] %name = TYPE opcode(`: an instruction of an optimized HLO module.
+_INSTRUCTION = re.compile(
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s*"
+  r"(?<![\w.\-])(?P<opcode>[a-z][a-z0-9\-]*)\("
+)
+
+
+def operations(compiled: Any) -> collections.Counter:
+  """The compiled program's instructions, by opcode and result type."""
+  counts: collections.Counter = collections.Counter()
+  for line in compiled.as_text().splitlines():
+    match = _INSTRUCTION.match(line)
+    if match:
+      dtype = re.match(r"\(?([a-z]+[0-9]*)", match["type"])
+      counts[match["opcode"], dtype[1] if dtype else None] += 1
+  return counts
+
+
 def compile_best(fun: Callable[..., Any], args: Any, repeats: int) -> Any:
   """`(lowered, compiled, seconds)`: the fastest of `repeats` traces and
   compilations, each on a fresh `jit` (which caches traces per function)."""
@@ -233,6 +255,7 @@ def measure(
     jax.block_until_ready(c(*args))  # warm-up
     results[name] = {
       "products": products(lowered),
+      "operations": operations(c),
       "temp_bytes": getattr(memory, "temp_size_in_bytes", math.nan),
       "compile_s": seconds,
       "times": [],
@@ -283,6 +306,11 @@ def models(tiny: bool) -> dict[str, tuple[Callable[..., Any], Any]]:
 def report(name: str, results: dict[str, dict[str, Any]], out=print) -> None:
   own = results["by_hand"]
   base = results["float32"]
+  same = results["autocast"]["operations"] == own["operations"]
+  out(
+    f"{name}: autocast compiles to {'the same' if same else 'other'}"
+    " operations (kind and dtype) as by_hand"
+  )
   for variant, r in results.items():
     p = r["products"]
     out(

@@ -260,11 +260,14 @@ def test_autocast_tiny(capsys):
   results = _load("autocast").main(["--tiny"])
   out = capsys.readouterr().out
   assert "device:" in out and "by_hand" in out
+  assert "autocast compiles to the same operations" in out
   for model, variants in results.items():
     ours, theirs = variants["autocast"], variants["by_hand"]
     # The same float16 products as the policy written by hand, and no
     # float32 one; float32 has no float16 product.
     assert ours["products"] == theirs["products"], model
+    assert ours["operations"] == theirs["operations"], model
+    assert ours["temp_bytes"] == theirs["temp_bytes"], model
     assert set(ours["products"]) == {"float16"}, model
     assert set(variants["float32"]["products"]) == {"float32"}, model
     assert set(variants["cast"]["products"]) == {"float16"}, model
