@@ -191,12 +191,18 @@ def test_a_nested_jit_is_evaluated_under_the_policy_and_named():
   _close_to_float32(fun, W, X)
 
 
-def test_a_jit_that_places_its_outputs_runs_as_traced():
+@pytest.mark.parametrize("how", ["placed", "donated"])
+def test_a_jit_that_places_or_donates_runs_as_traced(how):
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  placed = jax.jit(lambda h, w: h @ w, out_shardings=sharding)
-  fun = lambda w, x: jnp.sum(jnp.tanh(placed(x, w) @ w))  # noqa: E731
+  if how == "placed":
+    inner = jax.jit(lambda h, w: h @ w, out_shardings=sharding)
+  else:
+    inner = jax.jit(lambda h, w: h @ w, donate_argnums=0)
+  fun = lambda w, x: jnp.sum(jnp.tanh(inner(x * 1.0, w) @ w))  # noqa: E731
   assert _products(fun, W, X, grad=False) == {"float32": 1, "float16": 1}
-  _close_to_float32(fun, W, X)
+  # Under jit (eagerly, jax's own gradient would read the donated array).
+  got = jax.jit(jax.grad(ols.autocast(fun)))(W, X)
+  np.testing.assert_allclose(got, jax.jit(jax.grad(fun))(W, X), atol=5e-3)
 
 
 def test_a_checkpoint_stays_a_checkpoint_with_its_policy():
@@ -214,6 +220,19 @@ def test_a_checkpoint_stays_a_checkpoint_with_its_policy():
   # needed), and 3 transposes (x is not differentiated).
   assert _products(fun, W, X) == {"float16": 6}
   _close_to_float32(fun, W, X)
+
+
+def test_checkpoint_around():
+  loss = ols.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w))
+  rematted = jax.checkpoint(loss)
+  assert _products_of(jax.value_and_grad(rematted), W, X) == {"float16": 6}
+  np.testing.assert_allclose(
+    jax.grad(rematted)(W, X), jax.grad(loss)(W, X), atol=1e-6
+  )
+
+
+def _products_of(fun, *args):
+  return helpers.products_by_dtype(jax.make_jaxpr(fun)(*args))
 
 
 def test_vmap_inside_and_around():

@@ -92,6 +92,19 @@ def test_the_compiled_step_is_the_hand_conversion_op_for_op(mlp):
   assert products(ours) == products(theirs) == {"f16": 8}
 
 
+def test_a_backward_sum_over_a_broadcast_float16_value_is_float16():
+  """jax sums the cotangents of a broadcast where it transposes it: in the
+  dtype the forward value had."""
+
+  def fun(w, x):
+    h = x @ w  # float16
+    return jnp.sum(jnp.tanh(jnp.broadcast_to(h, (5, *h.shape))))
+
+  program = jax.make_jaxpr(jax.grad(ols.autocast(fun)))(W, X)
+  sums = helpers.dtype_counts(program, {"reduce_sum"})
+  assert sums[("reduce_sum", "float16")] == 1
+
+
 def test_gradients_are_float32_and_close_to_float32s(mlp):
   loss32, grads32 = jax.value_and_grad(helpers.mlp_loss)(*mlp)
   loss16, grads16 = jax.value_and_grad(ols.autocast(helpers.mlp_loss))(*mlp)

@@ -222,3 +222,29 @@ def _all_reduced(compiled):
     if i.opcode in ("all-reduce", "all-reduce-start")
     for dtype, shape in i.arrays
   )
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_autocast_inside_a_shard_map_body(axis_type):
+  mesh = _mesh(axis_type)
+
+  @ols.autocast
+  def body(xs, w):
+    return jax.lax.psum(jnp.sum(jnp.tanh(xs @ w) ** 2), "x")
+
+  def loss(w, x):
+    return jax.shard_map(
+      body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()
+    )(x, w)
+
+  w = jnp.linspace(-0.5, 0.5, 64).reshape(8, 8)
+  x = jnp.linspace(-1.0, 1.0, 16 * 8).reshape(16, 8)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    program = jax.make_jaxpr(jax.value_and_grad(loss))(w, x)
+    assert helpers.products_by_dtype(program) == {"float16": 2}
+    value16, grads16 = jax.jit(jax.value_and_grad(loss))(w, x)
+  plain = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  value32, grads32 = jax.value_and_grad(plain)(w, np.asarray(x))
+  np.testing.assert_allclose(value16, value32, rtol=2e-3)
+  np.testing.assert_allclose(grads16, grads32, atol=2e-2)
