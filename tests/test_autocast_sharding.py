@@ -126,17 +126,21 @@ def test_a_reshard_moves_the_float16_value():
     np.testing.assert_array_equal(got, 2 * np.ones((16, 8)))
 
 
+@pytest.mark.parametrize("mesh_given", [True, False], ids=["mesh", "context"])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
-def test_a_shard_map_body_runs_under_the_policy(axis_type):
+def test_a_shard_map_body_runs_under_the_policy(axis_type, mesh_given):
+  """With its mesh given, or taken from `jax.set_mesh` (its equation then
+  holds an abstract mesh)."""
   mesh = _mesh(axis_type)
+  given = {"mesh": mesh} if mesh_given else {}
 
   def loss(w, x):
     def body(xs, w):
       return lax.psum(jnp.sum(jnp.tanh(xs @ w) ** 2), "x")
 
-    return jax.shard_map(
-      body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()
-    )(x, w)
+    return jax.shard_map(body, in_specs=(P("x"), P()), out_specs=P(), **given)(
+      x, w
+    )
 
   w = jnp.linspace(-0.5, 0.5, 64).reshape(8, 8)
   x = jnp.linspace(-1.0, 1.0, 16 * 8).reshape(16, 8)
