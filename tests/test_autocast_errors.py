@@ -192,3 +192,30 @@ def test_the_primitives_outside_the_policy_are_logged_with_their_line(caplog):
   caplog.clear()
   ols.autocast(lambda x: jnp.tanh(x @ x))(X)  # all within the policy
   assert caplog.messages == []
+
+
+# fun is traced at each call, as under jit.
+
+
+def test_python_control_flow_on_an_array_value_fails_as_under_jit():
+  def branchy(x):
+    return x if float(jnp.sum(x)) > 0 else -x
+
+  assert branchy(X) is X  # eagerly, without autocast
+  with pytest.raises(jax.errors.ConcretizationTypeError):
+    ols.autocast(branchy)(X)
+  with pytest.raises(jax.errors.ConcretizationTypeError):
+    jax.jit(branchy)(X)
+
+
+def test_non_array_arguments_pass_as_they_are_and_keywords_too():
+  def fun(x, train, *, scale, name):
+    assert isinstance(train, bool) and isinstance(name, str)
+    h = x @ x
+    return (h * scale if train else h), name
+
+  out, name = ols.autocast(fun)(X, True, scale=jnp.float32(2.0), name="n")
+  np.testing.assert_allclose(out, 2 * (X @ X), rtol=2e-3)
+  assert name == "n" and out.dtype == F32
+  out, _ = ols.autocast(fun)(X, False, scale=2.0, name="n")
+  np.testing.assert_allclose(out, X @ X, rtol=2e-3)

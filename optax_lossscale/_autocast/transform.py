@@ -58,6 +58,12 @@ def autocast(
     callbacks, FFI calls, Pallas kernels) run in the dtypes they were
     traced with, their inputs cast back at their boundary.
 
+  ``fun`` is traced at each call, as under ``jax.jit`` (once per
+  compilation inside a jitted step): its array arguments are traced, and
+  Python control flow on their values fails as it does under ``jit``; any
+  other argument (a flag, a number, an Equinox module's functions) passes
+  into ``fun`` as it is.
+
   Loops (``scan``, ``while_loop``, ``cond``, ``fori_loop``) run their bodies
   under the same policy, their carries in their own dtypes; nested
   ``jit``, ``jax.checkpoint``, ``vmap`` and ``shard_map`` work inside
