@@ -294,3 +294,13 @@ def test_an_error_in_fun_names_the_users_line():
     ols.autocast(broken)(W, X)
   frames = [f for f in raised.traceback if str(f.path) == __file__]
   assert any("x @ w.T[:2]" in str(f.statement) for f in frames)
+
+
+def test_an_equinox_layer_is_kept_by_the_scope_it_writes():
+  linear = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+
+  def fun(x):
+    return jax.vmap(linear)(x @ W)
+
+  kept = ols.autocast(fun, keep_float32=("eqx.nn.Linear",))
+  assert _product_dtypes(kept, X) == ["float16", "float32"]
