@@ -45,7 +45,7 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
   ),
   (
     Rule.FLOAT32,
-    "near 0 a logarithm's derivative 1/x overflows float16 (below 2**-16)",
+    "near 0 a logarithm's derivative `1/x` overflows float16 (below `2**-16`)",
     ("log_p", "log1p_p", "log2_p"),
   ),
   (
@@ -62,7 +62,8 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
   ),
   (
     Rule.FLOAT32,
-    "rsqrt's derivative -x**-1.5/2 overflows float16 below about 2**-11,"
+    "rsqrt's derivative `-x**-1.5/2` overflows float16 below about"
+    " `2**-11`,"
     " the variance of a quiet token",
     ("rsqrt_p",),
   ),
@@ -118,8 +119,8 @@ ROWS: tuple[tuple[Rule, str, tuple[str, ...]], ...] = (
     Rule.FOLLOW,
     "torch.autocast runs them in their inputs' dtype: arithmetic,"
     " comparisons, bounded functions, selections; `div` runs in float32"
-    " where its dividend is a constant (torch's reciprocal: 1/x's"
-    " derivative -1/x**2 overflows float16 below 2**-8)",
+    " where its dividend is a constant (torch's reciprocal: `1/x`'s"
+    " derivative `-1/x**2` overflows float16 below `2**-8`)",
     (
       "add_p",
       "sub_p",
