@@ -221,6 +221,38 @@ CONSTRUCTOR = Section(
   ],
 )
 
+AUTOCAST = Section(
+  "autocast's arguments",
+  "`autocast` checks its arguments when it is called, before `fun` is"
+  " traced: a `TypeError` for a value of the wrong type, a `ValueError` for"
+  " one it does not accept.",
+  [
+    Case(
+      "`fun`: the function to run under the policy",
+      'ols.autocast(None)\nols.autocast("loss")\n',
+    ),
+    Case(
+      "`dtype`: float16 or bfloat16",
+      "ols.autocast(jnp.sum, jnp.float32)\n"
+      'ols.autocast(jnp.sum, "float64")\n'
+      "ols.autocast(jnp.sum, None)\n",
+      "Any spelling of the two is accepted: `jnp.float16`, `np.float16`,"
+      ' `"float16"`, `np.dtype("float16")`, and the same for bfloat16.',
+    ),
+    Case(
+      "`keep_float32`: a sequence of name scopes or call-path names",
+      'ols.autocast(jnp.sum, keep_float32="attention")\n'
+      "ols.autocast(jnp.sum, keep_float32=3)\n"
+      'ols.autocast(jnp.sum, keep_float32=("attention", 3))\n'
+      'ols.autocast(jnp.sum, keep_float32=("decoder//attention",))\n',
+    ),
+    Case(
+      "`mixed`: 'promote' or 'cast'",
+      'ols.autocast(jnp.sum, mixed="widest")\n',
+    ),
+  ],
+)
+
 MISUSE = Section(
   "Misuse",
   "Errors of `update`, `scale_loss`, the read-outs and the helpers. Those of"
@@ -365,7 +397,7 @@ PINNED = Section(
   raises=False,
 )
 
-SECTIONS = [CONSTRUCTOR, MISUSE, PINNED]
+SECTIONS = [CONSTRUCTOR, AUTOCAST, MISUSE, PINNED]
 
 
 def _statements(code: str) -> list[str]:

@@ -193,6 +193,12 @@ def _public_headings(app, what, name, obj, options, signature, annotation):
   and their fields are listed below the heading."""
   if what == "class":
     return "", annotation
+  if signature and "<class 'jax.numpy." in signature:
+    # A jnp scalar type as a default (`autocast`'s `dtype=jnp.float16`) as
+    # the source writes it, not as its repr.
+    return re.sub(
+      r"<class 'jax\.numpy\.(\w+)'>", r"jnp.\1", signature
+    ), annotation
   return None
 
 

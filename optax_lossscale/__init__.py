@@ -14,6 +14,7 @@ from optax_lossscale._access.readouts import skip_stats as skip_stats
 from optax_lossscale._access.scale import scale_loss as scale_loss
 from optax_lossscale._access.setter import set_loss_scale as set_loss_scale
 from optax_lossscale._access.upgrade import upgrade_state as upgrade_state
+from optax_lossscale._autocast import autocast as autocast
 from optax_lossscale._core.finite import all_finite as all_finite
 from optax_lossscale._core.keras import from_keras_config as from_keras_config
 from optax_lossscale._core.keras import to_keras_config as to_keras_config
@@ -54,6 +55,7 @@ __all__ = (
   "LossScaledTransformation",
   "SkipStats",
   "all_finite",
+  "autocast",
   "dynamic_counter",
   "find_overflow",
   "from_keras_config",

@@ -109,6 +109,7 @@ SLOW = {
     "test_compile_time_tiny": "compiles many programs",
     "test_train_step_tiny": "times several train steps",
     "test_device_time_tiny": "profiles several train steps",
+    "test_autocast_tiny": "compiles five variants of two models",
     "test_sharded_tiny_report": "the `sharded_tiny` fixture: every mesh, "
     "layout and recipe",
     "test_sharded_tiny_structural_claims": "same",
@@ -129,12 +130,14 @@ SLOW = {
     " test_doc_snippets.py's slow case of it does",
     "test_printed_output_matches[docs/frameworks.md]": "same",
     "test_printed_output_matches[docs/float16_goes_wrong.md]": "same",
+    "test_printed_output_matches[docs/autocast.md]": "same",
   },
   "tests/test_doc_snippets.py": {
     "test_page_runs[docs/recipes.md]": "trains several models",
     "test_page_runs[docs/frameworks.md]": "trains in every framework",
     "test_page_runs[docs/composition.md]": "many optimizers",
     "test_page_runs[docs/float16_goes_wrong.md]": "trains several models",
+    "test_page_runs[docs/autocast.md]": "traces each framework's model",
   },
   "tests/test_finite.py": {
     "test_unscaled_check_matches_the_elementwise_definition": "hypothesis "

@@ -254,3 +254,23 @@ def test_sharded_small_shards_no_gradient_sized_temporary():
       ]
     )
   _assert_no_gradient_sized_temporary(results)
+
+
+def test_autocast_tiny(capsys):
+  results = _load("autocast").main(["--tiny"])
+  out = capsys.readouterr().out
+  assert "device:" in out and "by_hand" in out
+  assert "autocast compiles to the same operations" in out
+  for model, variants in results.items():
+    ours, theirs = variants["autocast"], variants["by_hand"]
+    # The same float16 products as the policy written by hand, and no
+    # float32 one; float32 has no float16 product.
+    assert ours["products"] == theirs["products"], model
+    assert ours["operations"] == theirs["operations"], model
+    assert ours["temp_bytes"] == theirs["temp_bytes"], model
+    assert set(ours["products"]) == {"float16"}, model
+    assert set(variants["float32"]["products"]) == {"float32"}, model
+    assert set(variants["cast"]["products"]) == {"float16"}, model
+    for r in variants.values():
+      assert r["run_s"] > 0 and r["compile_s"] > 0
+      assert r["temp_bytes"] >= 0

@@ -142,11 +142,28 @@ _ROLE = re.compile(
 )
 
 
+class _Spelled:
+  """A default value written as the source writes it (`jnp.float16`)."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+def _default(value):
+  """jnp's scalar types (`autocast`'s `dtype=jnp.float16`) as written."""
+  if isinstance(value, type) and value.__module__ == "jax.numpy":
+    return _Spelled(f"jnp.{value.__name__}")
+  return value
+
+
 def _bare_signature(obj) -> str:
   """The signature as the table writes it: defaults, no annotations."""
   sig = inspect.signature(obj)
   params = [
-    p.replace(annotation=inspect.Parameter.empty)
+    p.replace(annotation=inspect.Parameter.empty, default=_default(p.default))
     for p in sig.parameters.values()
   ]
   return str(

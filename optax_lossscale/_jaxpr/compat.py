@@ -29,6 +29,7 @@ select with a warning (`skip`).
 """
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -351,3 +352,85 @@ def custom_vjp_rules_keep_their_lines() -> Iterator[None]:
     yield
   finally:
     table[custom_lin_p] = rule
+
+
+# The compute policy (`_autocast`): the primitives it names beyond those
+# above, and the control-flow parameters it reads to re-issue a loop or a
+# branch through public jax. tests/test_autocast_compat.py checks each on
+# the running jax.
+
+
+def policy_primitive(name: str) -> Any:
+  """jax's primitive `<name>` (such as `"exp_p"`), by object: from
+  `jax.extend.core.primitives`, else from `jax.lax`, else from the private
+  module that defines it on every supported jax (`PRIVATE_PRIMITIVES`);
+  None on a jax that lacks it (`log2_p` before jax 0.12)."""
+  found = _primitive(name)
+  if found is None:
+    found = getattr(jax.lax, name, None)
+  if found is None and name in PRIVATE_PRIMITIVES:
+    module, _ = PRIVATE_PRIMITIVES[name]
+    found = getattr(importlib.import_module(module), name, None)
+  return found
+
+
+# Primitives that no public module exports on the supported jax versions:
+# `name: (module, first jax that has it)`.
+PRIVATE_PRIMITIVES: dict[str, tuple[str, tuple[int, ...]]] = {
+  "ragged_dot_general_p": ("jax._src.lax.lax", (0, 7, 1)),
+  "pvary_p": ("jax._src.core", (0, 7, 1)),
+  "psum_invariant_p": ("jax._src.lax.parallel", (0, 7, 1)),
+  "all_gather_invariant_p": ("jax._src.lax.parallel", (0, 7, 1)),
+  "reduce_scatter_p": ("jax._src.lax.parallel", (0, 7, 1)),
+  "pbroadcast_p": ("jax._src.lax.parallel", (0, 7, 1)),
+  "reshard_p": ("jax._src.pjit", (0, 7, 1)),
+  "shard_map_p": ("jax._src.shard_map", (0, 7, 1)),
+}
+
+scan_p = _primitive("scan_p")
+while_p = _primitive("while_p")
+cond_p = _primitive("cond_p")
+
+
+def closed_jaxpr(body: Any) -> Any:
+  """A control-flow body as a `ClosedJaxpr`: jax 0.12 holds the bodies of
+  `scan`, `while`, `cond` and custom derivatives as open `Jaxpr`s (their
+  constants hoisted to inputs), earlier jax as `ClosedJaxpr`s."""
+  return ClosedJaxpr(body, []) if isinstance(body, Jaxpr) else body
+
+
+def scan_layout(params: dict[str, Any]) -> tuple[int, int]:
+  """`(consts, carries)`: how many of a `scan` equation's inputs are its
+  body's constants, then its carries (the rest are the scanned inputs)."""
+  if "num_consts" in params:  # jax < 0.12
+    return params["num_consts"], params["num_carry"]
+  # jax 0.12: `ft_in`, a flat tree of (consts, carries, scanned inputs).
+  consts, carries, _ = params["ft_in"].unpack()
+  return len(consts), len(carries)
+
+
+def shard_map_arguments(params: dict[str, Any]) -> dict[str, Any]:
+  """The keyword arguments of public `jax.shard_map` that make a
+  `shard_map` equation's map again: its mesh, specs, check and manual
+  axes."""
+  # jax < 0.10: `manual_axes`; jax >= 0.10: `newly_manual_axes`.
+  manual = params.get("newly_manual_axes", params.get("manual_axes"))
+  return {
+    "mesh": params["mesh"],
+    "in_specs": tuple(params["in_specs"]),
+    "out_specs": tuple(params["out_specs"]),
+    "check_vma": params["check_vma"],
+    "axis_names": frozenset(manual or ()),
+  }
+
+
+def remat_arguments(params: dict[str, Any]) -> dict[str, Any]:
+  """The keyword arguments of public `jax.checkpoint` that make a `remat`
+  equation's rematerialization again."""
+  return {"prevent_cse": params["prevent_cse"], "policy": params["policy"]}
+
+
+def placed_call(eqn: Any) -> bool:
+  """Whether `eqn` is a `jit` that places or donates its inputs or outputs
+  (its body then runs as a whole, not inlined: see `call_body`)."""
+  return eqn.primitive in CALLS and call_body(eqn) is None

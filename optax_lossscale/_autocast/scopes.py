@@ -1,0 +1,120 @@
+"""`keep_float32`: which equations run in float32 by where they are.
+
+An entry is matched against an equation's name stack (`jax.named_scope`,
+Flax Linen's module paths), the names of the calls it sits in included, as
+a whole sequence of components: `"attention"` matches
+`decoder/attention/softmax`, `"3/0"` matches `3/0/1/0` but not `13/0`. An
+entry of one name also matches the functions on the equation's call path,
+from the frames that made it: a qualified name's dotted parts, in the same
+way (`"RMSNorm"` and `"RMSNorm.__call__"` match a method of class
+`RMSNorm`; `"attention"` a function `attention`). The overflow finder
+names scopes and call paths from the same two sources
+(`_diagnostics/finder/source.py`), so whatever it names is matched here.
+"""
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from optax_lossscale._jaxpr import compat as _compat
+
+# optax_lossscale/, whose frames end the frames of `fun`.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Frame = tuple[str, int, str]  # file, line, qualified function name
+
+
+class Scopes:
+  """The `keep_float32` entries of a policy, each a tuple of components."""
+
+  def __init__(self, entries: Sequence[tuple[str, ...]]):
+    self._entries = tuple(entries)
+    self._names = tuple(e[0] for e in self._entries if len(e) == 1)
+
+  def __bool__(self) -> bool:
+    return bool(self._entries)
+
+  def kept(self, eqn: Any, context: tuple[Any, ...]) -> bool:
+    """Whether `eqn`, inside the calls and bodies `context` (outermost
+    first), is in a scope or a function that `keep_float32` names."""
+    if not self._entries:
+      return False
+    scopes: list[str] = []
+    for e in (*context, eqn):
+      scopes += _compat.name_scopes(e)[0]
+    if any(_contains(scopes, entry) for entry in self._entries):
+      return True
+    if not self._names:
+      return False
+    for _, _, function in _frames_of_fun(_frames(eqn, context)):
+      parts = function.split(".")
+      if any(_contains(parts, name.split(".")) for name in self._names):
+        return True
+    return False
+
+
+def _contains(sequence: Sequence[str], part: Sequence[str]) -> bool:
+  """Whether `part` is a run of whole, consecutive items of `sequence`."""
+  n = len(part)
+  return any(
+    tuple(sequence[i : i + n]) == tuple(part)
+    for i in range(len(sequence) - n + 1)
+  )
+
+
+def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
+  """`eqn`'s frames, innermost first, inside the calls `context`.
+
+  As the finder does (`source._frames`): a call's body traced once and
+  reused at another call (jax 0.7.1 does so) has frames that end in those
+  of the call it was first traced at; they are replaced by this call's.
+  jax 0.10.2 and later keep only the frames inside the body."""
+  frames = _compat.user_frames(eqn)
+  if not context:
+    return frames
+  call = context[-1]
+  outer = _frames(call, context[:-1])
+  if not frames:
+    return outer
+  at_call = _compat.user_frames(call)
+  if not at_call or frames[-1][::2] != at_call[-1][::2]:
+    return frames + outer  # the body's own frames only
+  if frames[-len(at_call) :] == at_call:  # traced at this call
+    return frames[: -len(at_call)] + outer
+  return _inside_body(frames, call) + outer  # traced at another call
+
+
+def _inside_body(frames: list[Frame], call: Any) -> list[Frame]:
+  """The innermost of `frames` up to the outermost frame of the function
+  that `call`'s body was traced from (none when it is not among them)."""
+  body = _compat.call_body(call)
+  if body is None:
+    body = _compat.ruled_call_body(call)
+  traced = None if body is None else _compat.traced_function(body)
+  if traced is None:
+    return []
+  name, file = traced
+  inside = [
+    i
+    for i, (f, _, function) in enumerate(frames)
+    if f == file and function.rsplit(".", 1)[-1] == name
+  ]
+  return frames[: inside[-1] + 1] if inside else []
+
+
+def _frames_of_fun(frames: list[Frame]) -> list[Frame]:
+  """The frames inside `fun`: those before the first frame of this package
+  (`autocast`'s own trace of `fun`)."""
+  for i, (file, _, _) in enumerate(frames):
+    if os.path.abspath(file).startswith(_PACKAGE_DIR + os.sep):
+      return frames[:i]
+  return frames
+
+
+def user_line(eqn: Any) -> str | None:
+  """`file:line` of the innermost frame of `fun` that made `eqn`, or None."""
+  frames = _frames_of_fun(_compat.user_frames(eqn))
+  if not frames:
+    return None
+  file, line, _ = frames[0]
+  return f"{os.path.basename(file)}:{line}"
