@@ -165,8 +165,12 @@ def product_dtypes(jaxpr) -> dict[str, int]:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
       counts[eqn.outvars[0].aval.dtype.name] += 1
-    for body in jax.extend.core.jaxprs_in_params(eqn.params):
-      counts.update(product_dtypes(body))
+    for param in eqn.params.values():  # the bodies of calls, loops, rules
+      for body in param if isinstance(param, tuple) else (param,):
+        if isinstance(body, jax.extend.core.ClosedJaxpr):
+          body = body.jaxpr
+        if isinstance(body, jax.extend.core.Jaxpr):
+          counts.update(product_dtypes(body))
   return dict(counts)
 
 
