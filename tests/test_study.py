@@ -112,6 +112,9 @@ def test_autocast_runs_the_products_the_study_casts_by_hand():
   # Every product of the gradient program, forward and backward, in float16,
   # as many as the study's own conversion has; the gradients float32.
   assert under_autocast == by_hand == ["float16"] * len(by_hand)
+  # Forward, each layer's; backward, each layer's weights' and inputs'
+  # (the first layer's input is the embedding, which is trained too).
+  assert len(by_hand) == 3 * (Config.depth + 1)
   grads = jax.grad(runs.loss(specs["fp16_autocast"], Config.depth))(
     setup.params0, x, y
   )
