@@ -244,3 +244,94 @@ def test_an_auto_mesh_says_nothing_of_nan_where_no_gradient_was_bad(skips):
   said = "where the check counts a NaN as an inf" in text
   assert said == (skips > RECENT_SKIPS)
   assert ("at least: this mesh counts a NaN as an inf" in text) == said
+
+
+def _nan_history_on(mesh, tx, steps=3):
+  """`steps` steps with a NaN in the last shard of `w3`, on `mesh`."""
+  with jax.set_mesh(mesh):
+    params = tree_on(mesh)
+    step, state = step_of(tx), tx.init(params)
+    nan = poisoned(tree_on(mesh), "w3", (63, 63), np.nan)
+    for _ in range(steps):
+      params, state = step(params, state, nan, jnp.float32(1.0))
+  return state
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 2")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_nan_told_apart_is_where_each_step_checked_not_where_the_state_is(
+  axis_type,
+):
+  """Issue 34, case 2: whether a NaN was told from an inf is a fact of the
+  step that checked, recorded with each skip: moving the state (to one
+  device, to a mesh of the other kind) changes nothing the report says."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  tx = ols.loss_scale_optimizer(optax.sgd(1e-2), initial_scale=2.0)
+  state = _nan_history_on(mesh, tx)
+  here = ols.skip_report(state, tx)
+  told = axis_type == AxisType.Explicit
+  assert here.nan_told_apart is told
+  other_type = AxisType.Auto if told else AxisType.Explicit
+  other = jax.make_mesh((4, 2), ("data", "model"), axis_types=(other_type,) * 2)
+  for moved in (
+    jax.device_put(state, jax.devices()[0]),
+    jax.device_put(state, NamedSharding(other, P())),
+    jax.device_get(state),
+  ):
+    report = ols.skip_report(moved, tx)
+    assert report.nan_told_apart is told
+    assert str(report) == str(here)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 8")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_shard_map_over_the_data_axis_only(axis_type):
+  """Issue 34, case 8: a `shard_map` manual over the data axis, the model
+  axis left to the mesh inside. On an `Auto` model axis the check counts a
+  NaN as an inf, and the report says it cannot tell them apart; on an
+  `Explicit` one it sees the NaN."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1), initial_scale=2.0, axis_name="data"
+  )
+  params = {"w": jnp.ones((8, 16))}
+
+  def local_step(state, grads):
+    state, grads = jax.tree.map(lambda x: x[0], (state, grads))
+    _, state = tx.update(grads, state, params)
+    return jax.tree.map(lambda x: x[None], state)
+
+  grads = jnp.ones((4, 8, 16)).at[2, 3, 9].set(jnp.nan)
+  with jax.set_mesh(mesh):
+    grads = jax.device_put(grads, NamedSharding(mesh, P("data", None, "model")))
+    state = jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (4, *x.shape)), tx.init(params)
+    )
+    step = jax.jit(
+      jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P("data"), P("data")),
+        out_specs=P("data"),
+        axis_names={"data"},
+      )
+    )
+    for _ in range(3):
+      state = step(state, {"w": grads})
+  member = jax.tree.map(lambda x: x[0], jax.device_get(state))
+  report = ols.skip_report(member, tx)
+  words = " ".join(str(report).split())
+  assert report.total_skipped == 3 and report.at_floor
+  # An `Auto` axis never tells a NaN from an inf; on an `Explicit` one the
+  # check may or may not (it copies no leaf to): either way, what the
+  # report says agrees with what the check counted.
+  if axis_type == AxisType.Auto:
+    assert report.nan_told_apart is False
+  if report.nan_told_apart:
+    assert report.nan_steps == 3
+    assert "- NaN in the gradients at every scale down to the floor" in words
+  else:
+    assert report.nan_told_apart is False
+    assert "overflowed to inf" not in words
+    assert "step 2: inf or NaN; scale 1 -> 1" in words
+    assert "where the check counts a NaN as an inf" in words

@@ -196,3 +196,57 @@ def test_a_read_out_of_an_unconverted_pickle_names_upgrade_state():
     old = pickle.load(f)
   with pytest.raises(ValueError, match="upgrade_state"):
     ols.loss_scale(old)
+
+
+# Issue 34, case 5: what a 0.1.0 state cannot know, the report does not say.
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 5")
+def test_an_upgraded_v010_state_reports_its_new_counts_since_the_upgrade():
+  tx = _tx(leaf_stats=True)
+  state = ols.upgrade_state(_restored("pickle"), like=_like(tx))["opt_state"]
+  text = " ".join(str(ols.skip_report(state, tx)).split())
+  # 0.1.0 counted one skip, and neither its NaNs nor its leaves.
+  assert "skipped: 1 in total" in text
+  assert "stayed finite" not in text
+  assert "0 with NaN" not in text
+  assert "since step 4" in text
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 5")
+@pytest.mark.parametrize("steps", [0, True])
+def test_steps_below_the_skips_or_not_an_int_are_refused(steps):
+  with pytest.raises(ValueError, match="`steps` must be"):
+    ols.upgrade_state(_restored("pickle"), steps=steps)
+
+
+# Issue 34, case 23: a `like` that does not fit is refused, not obeyed.
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 23")
+def test_a_like_whose_inner_state_differs_is_refused():
+  sgd = ols.loss_scale_optimizer(optax.sgd(0.1), **MAKE.CONFIG)
+  for fmt in ("msgpack", "orbax"):
+    with pytest.raises(ValueError, match=r"inner_state.*\bmu\b"):
+      ols.upgrade_state(_restored(fmt), like=_like(sgd))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 23")
+def test_a_static_like_for_a_dynamic_state_is_refused():
+  static = ols.loss_scale_optimizer(
+    optax.adam(MAKE.LEARNING_RATE), dynamic=False, initial_scale=2.0**10
+  )
+  for fmt in ("msgpack", "orbax"):
+    with pytest.raises(ValueError, match="counter"):
+      ols.upgrade_state(_restored(fmt), like=_like(static))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34, case 23")
+def test_todays_state_as_plain_dicts_reads_without_like():
+  tx = _tx()
+  params = MAKE.params()
+  _, state = MAKE.run(tx, params, tx.init(params), [False, True], 0)
+  raw = serialization.msgpack_restore(serialization.to_bytes(state))
+  read = ols.upgrade_state(raw)
+  assert float(ols.loss_scale(read)) == float(ols.loss_scale(state))
+  assert str(ols.skip_report(read)) == str(ols.skip_report(state))
