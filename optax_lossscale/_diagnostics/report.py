@@ -351,7 +351,10 @@ def _config_on(x: Any) -> LossScaleConfig | None:
   if isinstance(x, LossScaleConfig):
     return x
   if isinstance(x, LossScaledTransformation):
-    return x.__dict__.get("_validated")
+    try:
+      return x.loss_scale_config
+    except AttributeError:  # its `update` was replaced
+      return None
   return None
 
 
