@@ -33,7 +33,6 @@ def test_a_frozen_float16_leaf_does_not_warn():
   assert not jnp.any(updates["frozen"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35, point 3: not exported")
 def test_a_trained_float16_leaf_warns():
   tx = _frozen(optax.sgd(0.1))
   with pytest.warns(ols.Float16ParamsWarning, match="1 of 2 parameters"):

@@ -56,7 +56,6 @@ def words_of(report):
 # Case 1: a static scale changed by hand.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 1")
 def test_a_static_scale_set_by_hand_reports_the_scale_the_skips_ran_at():
   tx, state = run("iii", dynamic=False, initial_scale=2.0**15)
   state = ols.set_loss_scale(state, 8.0)
@@ -75,7 +74,6 @@ def test_a_static_scale_set_by_hand_reports_the_scale_the_skips_ran_at():
 # Case 3: a `tx` configured otherwise than the run.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 3")
 @pytest.mark.parametrize(
   "other, name",
   [
@@ -94,7 +92,6 @@ def test_a_tx_configured_otherwise_than_the_run_is_refused(other, name):
     ols.raise_if_stuck(state, liar)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 3")
 def test_the_report_needs_no_tx_for_the_floor():
   _, state = run("iiii", initial_scale=2.0)
   report = ols.skip_report(state)
@@ -105,7 +102,6 @@ def test_the_report_needs_no_tx_for_the_floor():
 # Case 4: a dynamic scale below its floor.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 4")
 def test_the_setter_refuses_a_dynamic_scale_below_its_floor():
   tx = ols.loss_scale_optimizer(optax.sgd(0.1))
   state = tx.init(PARAMS)
@@ -123,7 +119,6 @@ def test_the_setter_refuses_a_dynamic_scale_below_its_floor():
   ols.raise_if_stuck(state, low)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 4")
 def test_a_scale_below_one_put_there_by_hand_is_recorded_as_such():
   """A state changed without the setter (its fields replaced): the check,
   which reads the gradients before the division, cannot vouch for a scale
@@ -152,7 +147,6 @@ def test_a_scale_below_one_put_there_by_hand_is_recorded_as_such():
 # Case 6: hysteresis, with a non-finite loss that does not count between.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 6")
 def test_hysteresis_with_a_loss_between_says_what_the_lines_show():
   tx, state = run("iLi", hysteresis=2, backoff_on_nonfinite_loss=False)
   report = ols.skip_report(state, tx)
@@ -173,7 +167,6 @@ def test_hysteresis_with_a_loss_between_says_what_the_lines_show():
 # Case 7: counters saturated.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 7")
 def test_saturated_counters_keep_the_skips_in_order():
   tx, _ = compiled(initial_scale=2.0**10)
   state = tx.init(PARAMS)
@@ -196,7 +189,6 @@ def test_saturated_counters_keep_the_skips_in_order():
 # Case 9: mixed causes.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 9")
 def test_mixed_causes_are_each_named_with_their_count():
   tx, state = run("ifififLf")
   report = ols.skip_report(state, tx)
@@ -209,7 +201,6 @@ def test_mixed_causes_are_each_named_with_their_count():
 # Case 10: skips in a row above the floor.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 10")
 def test_skips_in_a_row_above_the_floor_are_facts_then_advice():
   tx, state = run("iiii")
   words = words_of(ols.skip_report(state, tx))
@@ -221,7 +212,6 @@ def test_skips_in_a_row_above_the_floor_are_facts_then_advice():
 # Case 11: inside `jit`.
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 11")
 @pytest.mark.parametrize("call", ["skip_report", "raise_if_stuck"])
 def test_inside_jit_the_report_says_to_call_it_outside(call):
   tx, state = run("ii")
@@ -230,7 +220,6 @@ def test_inside_jit_the_report_says_to_call_it_outside(call):
     jax.jit(lambda s: function(s, tx))(state)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34, case 11")
 def test_the_report_reads_a_state_under_inject_hyperparams_outside():
   tx = optax.inject_hyperparams(
     lambda learning_rate: ols.loss_scale_optimizer(

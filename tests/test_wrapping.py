@@ -161,7 +161,7 @@ def test_the_transformation_says_it_does_not_pickle():
   tx = ols.loss_scale_optimizer(optax.sgd(0.1))
   with pytest.raises(TypeError, match="does not pickle: its `init` and"):
     pickle.dumps(tx)
-  with pytest.raises(TypeError, match="`tx.loss_scale_config`"):
+  with pytest.raises(TypeError, match=r"`tx\.loss_scale_config`"):
     pickle.dumps(ols.unscale_and_check())
   assert pickle.loads(pickle.dumps(tx.loss_scale_config)) == (
     tx.loss_scale_config

@@ -20,6 +20,7 @@ from optax_lossscale._core.state import (
   LossScaleState,
   check_scalar_state,
   init_loss_scale_state,
+  is_of_an_earlier_release,
   zero_leaf_counts,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
@@ -137,7 +138,7 @@ def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
       params = params.fast  # the gradients are the fast params'
     leaf_notfinite = zero_leaf_counts(params)
   return init_loss_scale_state(
-    config.initial_scale, config.dynamic, leaf_notfinite
+    config.initial_scale, config.dynamic, leaf_notfinite, config
   )
 
 
@@ -180,6 +181,7 @@ def unscale_check_adjust(
     _check_value(value)
   scale = state.loss_scale
   unscaled = unscale(updates, scale, params)
+  scale_usable: jax.Array | bool = True
   if _config.scale_can_fall_below_one(config):
     # Dividing by a scale below 1 can overflow a finite gradient: check the
     # very values that are passed on.
@@ -187,12 +189,15 @@ def unscale_check_adjust(
   else:
     # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
     # incoming gradient decides, as it arrives: XLA then need not
-    # materialize the quotient for the check. A scale below 1 can only come
-    # from `set_loss_scale`; it counts as an overflow, and backoff returns
-    # it to `min_scale`.
+    # materialize the quotient for the check. The check cannot vouch for a
+    # scale below 1, which only a state changed by hand (not through
+    # `set_loss_scale`, which refuses it) or by another configuration can
+    # hold: such a step is skipped, and recorded as that.
     verdict = _finite.check(updates, per_leaf=config.leaf_stats)
-    verdict = verdict._replace(finite=verdict.finite & (scale >= 1))
-  outcome = _agreed_outcome(verdict, value, config)
+    scale_usable = scale >= 1
+  outcome = _agreed_outcome(verdict, value, config)._replace(
+    scale_usable=scale_usable
+  )
   new_state = _rule.next_state(state, outcome, config)
   applied = new_state.last_finite
   last_finite = _donation.last_finite_flag(state.last_finite, applied)
@@ -205,6 +210,13 @@ def _check_state_matches(
   """Refuses, while tracing, a state made by a transformation configured
   otherwise in what the state's structure holds: a static or dynamic scale
   (the counter), and per-leaf counts (`leaf_stats`)."""
+  if is_of_an_earlier_release(state):
+    raise ValueError(
+      "The loss-scale state is of an earlier release of optax_lossscale"
+      " (a pickle of 0.2.0, say): it lacks the fields today's `update`"
+      " records. Pass the restored state through"
+      " `optax_lossscale.upgrade_state` first (docs/migration.md)."
+    )
   state_dynamic = state.counter is not None
   if state_dynamic != config.dynamic:
     made, given = _mode(state_dynamic), _mode(config.dynamic)
@@ -287,6 +299,7 @@ def _agreed_outcome(
     grads_nan=grads_nan,
     loss_finite=loss_finite,
     leaf_notfinite=leaf_notfinite,
+    nan_told_apart=verdict.nan_told_apart,
   )
 
 
