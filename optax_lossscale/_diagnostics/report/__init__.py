@@ -1,6 +1,6 @@
 """The skip report, by its jobs: reading the recorded facts (`facts`), the
-diagnosis's predicates (`diagnosis`), the text's layout (`text`), and the
-public calls (`api`)."""
+diagnosis's predicates (`diagnosis`) and `raise_if_stuck`'s (`stuck`), the
+text's layout (`text`), and the public calls (`api`)."""
 
 from optax_lossscale._diagnostics.report.api import SkipReport as SkipReport
 from optax_lossscale._diagnostics.report.api import (

@@ -17,6 +17,7 @@ from optax_lossscale._core.state import RECENT_SKIPS
 from optax_lossscale._diagnostics import format as _format
 from optax_lossscale._diagnostics.report import diagnosis as _diagnosis
 from optax_lossscale._diagnostics.report import facts as _facts
+from optax_lossscale._diagnostics.report import stuck as _stuck
 from optax_lossscale._diagnostics.report import text as _text
 
 # A skip as the report keeps it: (step, causes, scale before, scale after).
@@ -241,9 +242,9 @@ def raise_if_stuck(
       " None: with neither, nothing is checked."
     )
   facts = _facts.read(opt_state, tx)
-  reason = _diagnosis.nonfinite_losses(
+  reason = _stuck.nonfinite_losses(
     facts, max_nonfinite_losses
-  ) or _diagnosis.skips_at_floor(facts, max_skips_at_floor)
+  ) or _stuck.skips_at_floor(facts, max_skips_at_floor)
   if reason is not None:
     text = "\n".join(_format.wrap(f"The run cannot recover: {reason}"))
     raise RuntimeError(f"{text}\n\n{_report(facts)}")

@@ -3,12 +3,8 @@ each recorded, the parameters, and the diagnosis, in a few lines that read
 the same in a terminal and a notebook."""
 
 from optax_lossscale._diagnostics import format as _format
-from optax_lossscale._diagnostics.report.diagnosis import (
-  NAMES_SHOWN,
-  since,
-  step_name,
-)
-from optax_lossscale._diagnostics.report.facts import Event, Facts
+from optax_lossscale._diagnostics.report.diagnosis import NAMES_SHOWN, since
+from optax_lossscale._diagnostics.report.facts import SATURATED, Event, Facts
 
 
 def lines(facts: Facts, diagnosis: tuple[str, ...]) -> list[str]:
@@ -120,3 +116,10 @@ def _leaf_lines(leaves: tuple[tuple[str, int], ...]) -> list[str]:
       + (f" and {len(clean) - shown} more" if len(clean) > shown else "")
     )
   return out
+
+
+def step_name(step: int) -> str:
+  """`step 12`; a saturated step counter says where it stopped."""
+  if step >= SATURATED:
+    return f"step {SATURATED} or later"
+  return f"step {step}"
