@@ -20,6 +20,7 @@ from optax_lossscale._core.state import (
   LossScaleState,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
+from optax_lossscale._jaxpr import zeros as _zeros
 
 # What `inner` accepts: an optax transformation, or an `optax.MultiSteps`.
 Inner: TypeAlias = optax.GradientTransformation | optax.MultiSteps
@@ -200,7 +201,9 @@ def _loss_scale_optimizer_from_config(
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-      loss_scale_state=_step.init_state(config, params),
+      loss_scale_state=_step.init_state(
+        config, params, lambda: _updated_leaves(inner, inner_state, params)
+      ),
       inner_state=inner_state,
     )
 
@@ -232,6 +235,25 @@ def _loss_scale_optimizer_from_config(
   return LossScaledTransformation.of(
     init_fn, update_fn, config, skips_inner=True
   )
+
+
+def _updated_leaves(
+  inner: optax.GradientTransformationExtraArgs,
+  inner_state: Any,
+  params: Any,
+) -> list[bool] | None:
+  """Per leaf of `params`, whether `inner` may update it: not where its
+  update is zero whatever the gradients (a frozen parameter), as the
+  traced update says (nothing is computed). None where the update cannot
+  be traced without the step's arguments (extra args it needs, say)."""
+  grads = params.fast if isinstance(params, optax.LookaheadParams) else params
+  try:
+    zero = _zeros.zero_outputs(
+      lambda g, s, p: inner.update(g, s, p)[0], grads, inner_state, params
+    )
+  except Exception:  # any failure to trace it: each leaf may be updated
+    return None
+  return [not z for z in zero]
 
 
 def _check_state_type(state: Any) -> None:
