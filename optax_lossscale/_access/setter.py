@@ -47,10 +47,10 @@ def _check_value(
     if _is_concrete(floor) and np.any(as_f32 < np.asarray(floor)):
       raise ValueError(
         "`value` must be at least the floor of this dynamic loss scale"
-        f" (`min_scale`, {_describe(floor)} as the state records it; 1"
-        f" where it records none yet), got {value!r}: the rule never takes"
-        " the scale below its floor, and the step's finiteness check may"
-        " rely on it."
+        f" (its `min_scale` as the state recorded it, or 1 where it has not"
+        f" recorded one yet: {_describe(floor)}), got {value!r}: the rule"
+        " never takes the scale below its floor, and the step's finiteness"
+        " check may rely on it."
       )
     return
   if np.any(as_f32 < 1) and _is_concrete(old) and bool(jnp.all(old >= 1)):

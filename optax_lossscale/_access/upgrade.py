@@ -205,11 +205,15 @@ def _steps_from(counts: list[Any], skipped: int, given: int | None) -> int:
     return given
   applied = {int(c) for c in counts if c is not None and jnp.ndim(c) == 0}
   if len(applied) != 1:
+    found = (
+      f"step counts that disagree ({sorted(applied)})"
+      if applied
+      else "no step count (optax's `count`)"
+    )
     raise ValueError(
       "`steps` must be given for this state of 0.1.0 (the steps its run had"
       " seen, as the training loop counts them): 0.1.0 did not count them,"
-      " and the inner state holds no step count (optax's `count`) to tell,"
-      f" or several that disagree ({sorted(applied)})."
+      f" and the inner state holds {found} to tell."
     )
   return min(applied.pop() + skipped, _releases.INT32_MAX)
 

@@ -114,16 +114,14 @@ def next_state(
 
 
 def _written_over(old: Any, new: Any) -> Any:
-  """`new` (constants of the step) in `old`'s place, selected over `old`:
-  jax returns an output that is a constant as a new array at every call,
-  outside the compiled step, so that the donated buffer of `old` would go
-  unused and the output get a fresh address each step (on GPU, one more
-  command-buffer update per step: tests/test_skip.py). A select reading
-  `old` is an output of the step, written into that buffer; XLA folds it
-  to the constant."""
-  return jax.tree.map(
-    lambda o, n: lax.select(jnp.ones(jnp.shape(o), jnp.bool_), n, o), old, new
-  )
+  """`new` (constants of the step) in `old`'s place, as a select that
+  reads `old`: kept where it equals `new`, else `new`. jax returns an
+  output that is a constant as a new array at every call, outside the
+  compiled step, so that the donated buffer of `old` would go unused (a
+  fresh address each step; on GPU, one more command-buffer update:
+  tests/test_skip.py); and a constant written into that buffer is a copy
+  per field in the compiled step. The select is computed in the buffer."""
+  return jax.tree.map(lambda o, n: lax.select(o == n, o, n), old, new)
 
 
 def _zero() -> jax.Array:

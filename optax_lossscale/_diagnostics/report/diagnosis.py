@@ -108,7 +108,7 @@ def _causes(facts: Facts, named_alone: bool = False) -> str | None:
   else:
     parts = [
       (losses, "for a non-finite loss"),
-      (facts.skipped_counted - losses, "with the loss finite or not given"),
+      (facts.skipped_counted - losses, "without a non-finite loss"),
     ]
   named = [f"{n} {why}" for n, why in parts if n]
   if not named or (len(named) < 2 and not named_alone):
@@ -321,8 +321,9 @@ def _finding_its_level(facts: Facts) -> str | None:
       f"{_skipped(facts)}, each {what} that lowered the scale: the dynamic"
       " scale finding its level, as designed."
     )
+  verb = "was" if len(gradients) == 1 else "were each"
   return (
-    f"{_kept(facts, gradients)}, each {what} that lowered the scale: the"
+    f"{_kept(facts, gradients)} {verb} {what} that lowered the scale: the"
     " dynamic scale finding its level."
   )
 
