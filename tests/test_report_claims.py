@@ -635,7 +635,7 @@ def _causes(m, s, model, events, kept_all, **_):
   parts = dict(
     (why, int(n))
     for n, why in re.findall(
-      r"(\d+) (for [^,]+|with the loss [^,]+)", m.group(2)
+      r"(\d+) (for [^,]+|without a non-finite loss)", m.group(2)
     )
   )
   if "for a non-finite loss" in parts:
@@ -651,7 +651,7 @@ def _causes(m, s, model, events, kept_all, **_):
     assert parts.pop("for a scale below 1", 0) == len(below)
     grads = [e for e in events if "loss" not in e.causes and e not in below]
     assert parts.pop("for non-finite gradients", 0) == len(grads)
-  assert set(parts) <= {"with the loss finite or not given"}
+  assert set(parts) <= {"without a non-finite loss"}
 
 
 @claim(r"not finite on every one of the (\d+) steps")
@@ -724,13 +724,16 @@ def _held(m, s, events, dynamic=True, **_):
 
 
 @claim(
-  r"each (an overflow \(inf\)|a skip for non-finite gradients) that lowered"
+  r"(each|was|were each) (an overflow \(inf\)|a skip for non-finite"
+  r" gradients) that lowered"
 )
 def _level(m, s, model, events, dynamic=True, **_):
   assert dynamic and model.in_a_row < 2
   grads = [e for e in events if _gradients_only(e)]
   assert grads and all(e.after < e.before for e in grads)
-  if m.group(1) == "an overflow (inf)":
+  if m.group(1) != "each":
+    assert int(s.split(" of the ")[0]) == len(grads)
+  if m.group(2) == "an overflow (inf)":
     assert all(e.causes == ("inf",) and e.nan_told_apart for e in grads)
 
 
