@@ -283,7 +283,23 @@ def test_nan_told_apart_is_where_each_step_checked_not_where_the_state_is(
     assert str(report) == str(here)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+  "axis_type",
+  [
+    pytest.param(
+      AxisType.Explicit,
+      marks=pytest.mark.xfail(
+        jax.__version_info__ < (0, 10),
+        reason="jax 0.7.1: inside a shard_map manual over one axis of an"
+        " Explicit mesh, the skip's select of a zero beside a gradient"
+        " sharded over the other axis raises ShardingTypeError"
+        " (`_core.skip.zero_unless`); jax 0.10.2 runs it",
+        strict=False,
+      ),
+    ),
+    AxisType.Auto,
+  ],
+)
 def test_shard_map_over_the_data_axis_only(axis_type):
   """Issue 34, case 8: a `shard_map` manual over the data axis, the model
   axis left to the mesh inside. On an `Auto` model axis the check counts a
@@ -303,8 +319,12 @@ def test_shard_map_over_the_data_axis_only(axis_type):
   grads = jnp.ones((4, 8, 16)).at[2, 3, 9].set(jnp.nan)
   with jax.set_mesh(mesh):
     grads = jax.device_put(grads, NamedSharding(mesh, P("data", None, "model")))
+    # One state per data shard, placed as the shard_map takes it.
     state = jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (4, *x.shape)), tx.init(params)
+      lambda x: jax.device_put(
+        jnp.broadcast_to(x, (4, *x.shape)), NamedSharding(mesh, P("data"))
+      ),
+      tx.init(params),
     )
     step = jax.jit(
       jax.shard_map(
