@@ -18,6 +18,9 @@ from optax_lossscale._core.config import LossScaleConfig as LossScaleConfig
 from optax_lossscale._core.finite import all_finite as all_finite
 from optax_lossscale._core.keras import from_keras_config as from_keras_config
 from optax_lossscale._core.keras import to_keras_config as to_keras_config
+from optax_lossscale._core.master_weights import (
+  Float16ParamsWarning as Float16ParamsWarning,
+)
 from optax_lossscale._core.optimizer import (
   LossScaledTransformation as LossScaledTransformation,
 )
@@ -33,9 +36,6 @@ from optax_lossscale._core.state import LossScaleState as LossScaleState
 from optax_lossscale._core.state import RecordedConfig as RecordedConfig
 from optax_lossscale._core.state import SkipEvents as SkipEvents
 from optax_lossscale._core.state import SkipStats as SkipStats
-from optax_lossscale._core.step import (
-  Float16ParamsWarning as Float16ParamsWarning,
-)
 from optax_lossscale._core.step import unscale_and_check as unscale_and_check
 from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
 from optax_lossscale._diagnostics.report import SkipReport as SkipReport

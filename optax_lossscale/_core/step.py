@@ -1,7 +1,6 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from jax import lax
 from optax_lossscale._core import config as _config
 from optax_lossscale._core import donation as _donation
 from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import master_weights as _master_weights
 from optax_lossscale._core import rule as _rule
 from optax_lossscale._core import skip as _skip
 from optax_lossscale._core.config import AxisName, LossScaleConfig
@@ -151,24 +151,6 @@ def _unscale_and_check_from_config(
   )
 
 
-class Float16ParamsWarning(UserWarning):
-  """The warning `init` gives for float16 parameters (master weights) that
-  the optimizer updates: their updates are computed and applied in
-  float16.
-
-  Examples:
-    >>> import warnings
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_lossscale as ols
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   _ = ols.loss_scale_optimizer(optax.sgd(0.1)).init(
-    ...     jnp.ones(2, jnp.float16))
-    >>> caught[0].category is ols.Float16ParamsWarning
-    True
-  """
-
-
 def init_state(
   config: LossScaleConfig,
   params: optax.Params,
@@ -178,7 +160,7 @@ def init_state(
   the gradients, shaped like `params`, when `config.leaf_stats`).
   `updated` tells, per leaf of `params`, whether the optimizer may update
   it (None: every leaf), for the float16 master-weights warning."""
-  _warn_of_float16_params(params, updated)
+  _master_weights.warn_of_float16_params(params, updated)
   leaf_notfinite = None
   if config.leaf_stats:
     if isinstance(params, optax.LookaheadParams):
@@ -186,41 +168,6 @@ def init_state(
     leaf_notfinite = zero_leaf_counts(params)
   return init_loss_scale_state(
     config.initial_scale, config.dynamic, leaf_notfinite, config
-  )
-
-
-def _warn_of_float16_params(
-  params: Any, updated: Callable[[], list[bool] | None] | None
-) -> None:
-  """Warns once per `init` where some parameter that the optimizer updates
-  is float16: the inner update then runs in float16, where an update
-  smaller than half a float16 step of its parameter rounds away (a
-  learning rate of 1e-4 times a gradient of 1 leaves a weight of 1 as it
-  was), and a large one becomes inf. The loss scale protects the
-  gradients, not the update. A parameter the optimizer never updates (a
-  frozen one, `optax.set_to_zero`) is not warned of."""
-  leaves = jax.tree.leaves(params)
-  float16 = [getattr(x, "dtype", None) == jnp.float16 for x in leaves]
-  if not any(float16):
-    return
-  which = updated() if updated is not None else None
-  if which is None or len(which) != len(leaves):
-    which = [True] * len(leaves)  # unknown: each may be updated
-  named = sum(f and u for f, u in zip(float16, which, strict=True))
-  if not named:
-    return
-  warnings.warn(
-    f"float16 master weights: {named} of {len(leaves)} parameters given to"
-    " `init` are float16 and updated by the optimizer, so their update is"
-    " computed and applied in float16, where updates smaller than half a"
-    " float16 step of the weight become zeros and large ones inf, whatever"
-    " the loss scale. Keep the parameters in float32 and cast them to"
-    " float16 inside the loss (`jax.tree.map(lambda p:"
-    " p.astype(jnp.float16), params)`); to silence this warning,"
-    ' `warnings.filterwarnings("ignore", message="float16 master'
-    ' weights")`.',
-    Float16ParamsWarning,
-    stacklevel=4,
   )
 
 
