@@ -216,6 +216,11 @@ def test_an_upgraded_v010_state_reports_its_new_counts_since_the_upgrade():
   assert "stayed finite" not in text
   assert "0 with NaN" not in text
   assert "since step 4" in text
+  assert ols.skip_report(state).diagnosis == (
+    "no step was skipped since step 4, where this state's counts of why"
+    " began (an upgrade from a release that did not count them); 1 step"
+    " skipped before it, for causes the state does not know.",
+  )
 
 
 @pytest.mark.parametrize("steps", [0, True])

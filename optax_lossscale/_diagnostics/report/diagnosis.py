@@ -28,6 +28,13 @@ def diagnosis(facts: Facts) -> tuple[str, ...]:
       "no step was skipped: the gradients of every step were finite at the"
       " scale it ran at.",
     )
+  if facts.skipped_counted == 0:  # all before an upgrade
+    return (
+      f"no step was skipped since step {facts.since_steps}, where this"
+      " state's counts of why began (an upgrade from a release that did not"
+      f" count them); {_format.count(facts.total_skipped, 'step')} skipped"
+      " before it, for causes the state does not know.",
+    )
   sentences: tuple[Callable[[Facts], str | None], ...] = (
     _causes,
     _every_batch,
