@@ -459,7 +459,15 @@ def test_a_scale_set_below_one_under_a_floor_of_one_is_skipped_once():
 
   tx = ols.loss_scale_optimizer(optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
-  state = ols.set_loss_scale(tx.init(params), 0.25)
+  # `set_loss_scale` refuses a value below the floor: the state's field
+  # replaced by hand, as only such a state (or another configuration's)
+  # can hold it.
+  state = tx.init(params)
+  state = state._replace(
+    loss_scale_state=state.loss_scale_state._replace(
+      loss_scale=jnp.float32(0.25)
+    )
+  )
   grads = {"w": jnp.array([1.0, 2.0])}
   update = jax.jit(tx.update)
   _, state = update(grads, state, params)

@@ -29,6 +29,7 @@ import _gemma
 import jax
 import numpy as np
 import optax
+import pytest
 from _helpers import assert_trees_equal
 
 import optax_lossscale as ols
@@ -291,6 +292,22 @@ def test_the_conversion_with_float32_norms_trains():
 def test_rsqrt_derivative_at_a_tiny_variance_report():
   _, opt_state, _ = run("plain")
   assert_float16_range_not_a_bug(diagnosis(opt_state))
+
+
+@pytest.mark.slow
+def test_rsqrt_derivative_before_the_floor_is_facts_then_advice():
+  # Issue 34, case 10: eight skips in a row, the scale still above its
+  # floor. No scale fixes rsqrt's derivative; the report does not say the
+  # scale is "coming down to a level the gradients fit in", but what
+  # happened, and what to do if the skips go on at the floor.
+  _, opt_state, _ = train(SMALL_EMBEDDINGS, _batches(8))
+  text = diagnosis(opt_state)
+  assert "coming down" not in text and "fit in" not in text
+  assert text.startswith("8 steps skipped in a row")
+  assert (
+    "if the scale reaches its floor (1) and steps still skip, the overflow"
+    " does not depend on the scale: run `ols.find_overflow`" in text
+  )
 
 
 def test_rsqrt_derivative_at_a_tiny_variance_finder():
