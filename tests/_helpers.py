@@ -11,7 +11,6 @@ import numpy as np
 import optax
 
 import optax_lossscale as ols
-from optax_lossscale._core import finite as _finite
 from optax_lossscale._core import skip as _skip
 from optax_lossscale._jaxpr import interpret as _interpret
 
@@ -138,8 +137,12 @@ def break_the_rewrite(monkeypatch, error):
   monkeypatch.setattr(_skip, "_FALLBACK_REASONS_SAID", set())
 
 
-def force_the_accelerator_check(monkeypatch):
-  """Makes the finiteness check of a tree take the form that GPU and TPU
-  run (on CPU it lowers to its CPU form); the per-leaf form is one
-  everywhere."""
-  monkeypatch.setattr(_finite, "_on_cpu", _finite._concatenated)
+def rewrite_off(monkeypatch):
+  """Makes the skip trace as a plain select after the inner update (its
+  `rewrite=False`), as where the rewrite falls back."""
+  update_unless = _skip.update_unless
+
+  def select_after(*args, **kwargs):
+    return update_unless(*args, **{**kwargs, "rewrite": False})
+
+  monkeypatch.setattr(_skip, "update_unless", select_after)

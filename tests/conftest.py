@@ -15,25 +15,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 collect_ignore_glob = ["_*_worker.py"]
 
 # The check users run is the check the suite runs. On CPU the package lowers
-# the finiteness check of a tree to a CPU form of its own (`_on_cpu`, kept
-# for its speed there: benchmarks/README.md, "The check's forms"); on GPU
-# and TPU it lowers to `_concatenated`. Every test runs with the latter in
-# the CPU form's place, but those marked `cpu_check_form`, which test the
-# CPU form itself.
-from optax_lossscale._core import finite as _finite  # noqa: E402
-
-_CPU_FORM = _finite._on_cpu
+# the finiteness check of a tree to a CPU form of its own (kept for its
+# speed there: benchmarks/README.md, "The check's forms"); on GPU and TPU to
+# another. Every test runs with the latter, but those marked
+# `cpu_check_form`, which test the CPU form.
+from optax_lossscale._core import reductions as _reductions  # noqa: E402
 
 
 def pytest_runtest_setup(item):
   # Before the item's fixtures, so that a module's fixtures are made with
   # the form of the first test that needs them.
   marked = item.get_closest_marker("cpu_check_form") is not None
-  _finite._on_cpu = _CPU_FORM if marked else _finite._concatenated
+  _reductions.lower_cpu_as_accelerators(not marked)
 
 
 def pytest_sessionfinish(session):
-  _finite._on_cpu = _CPU_FORM
+  _reductions.lower_cpu_as_accelerators(False)
 
 
 def pytest_configure(config):

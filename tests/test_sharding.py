@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import INNERS as ALL_INNERS
-from _helpers import break_the_rewrite, force_the_accelerator_check, jit_step
+from _helpers import break_the_rewrite, jit_step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -172,7 +172,7 @@ def most_all_reduces(layout, axis_type):
 
 
 # Open, on CPU only: on an Auto mesh XLA on CPU splits the one-operand sum of
-# `_finite._reduced_where_it_lives` into reduce-windows and materializes its
+# `finite._reduced_where_it_lives` into reduce-windows and materializes its
 # input (`x - x`, one shard per leaf) for these shard shapes; the two-operand
 # reduction that it keeps whole, the partitioner gathers first. XLA on GPU
 # and TPU reduces without materializing the input.
@@ -233,12 +233,9 @@ def test_a_nan_in_one_shard_skips_on_every_device(layout, axis_type):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_the_accelerator_form_of_the_check_adds_no_gathering(
-  axis_type, monkeypatch
-):
-  # On CPU the check lowers to its CPU form; this forces the form that
-  # GPU and TPU run, and compiles it on the CPU mesh.
-  force_the_accelerator_check(monkeypatch)
+def test_the_accelerator_form_of_the_check_adds_no_gathering(axis_type):
+  # Unmarked: the form that GPU and TPU run, compiled on the CPU mesh
+  # (tests/conftest.py).
   for layout in LAYOUTS:
     _, _, out = run_case(layout, axis_type, "sgd_momentum", donate=True)
     (plain_counts, _), (counts, reduced) = (
