@@ -2,8 +2,8 @@
 
 Timings are never asserted (shared, noisy machines); only that the scripts
 run end to end and return finite measurements, and, for the sharded
-benchmark, the structural claims of DESIGN.md's "Sharding" (op kinds
-counted in the compiled HLO, shardings, temporaries).
+benchmark, the structural claims of docs/scaling.md (no gradient moves between
+devices: op kinds counted in the compiled HLO, shardings, temporaries).
 """
 
 import contextlib
@@ -13,8 +13,13 @@ import itertools
 import math
 import pathlib
 
+import _hlo
 import jax
+import jax.numpy as jnp
 import pytest
+from _helpers import rewrite_off
+
+import optax_lossscale as ols
 
 # The benchmarks time the package as it runs here, with its CPU check.
 pytestmark = pytest.mark.cpu_check_form
@@ -52,6 +57,27 @@ def test_overhead_tiny(capsys):
     assert r["copies"] >= 0 and r["temp_bytes"] >= 0
   plain = next(r for r in results if r["variant"] == "plain")
   assert plain["ratio"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgdm"])
+def test_select_after_is_the_step_with_the_rewrite_off(opt, monkeypatch):
+  """`ours_select_after`, made of public pieces, compiles to the program of
+  `loss_scale_optimizer`'s step with the skip's rewrite switched off: the
+  same operations of each kind."""
+  overhead = _load("overhead")
+  inner = overhead.inner_of(opt)
+  sizes = overhead.leaf_sizes(10_000, 5)
+  params = overhead.make_params(sizes)
+  grads = [jnp.full((s,), 0.5, jnp.float16) for s in sizes]
+
+  def compiled(init, step):
+    args = (params, init(params), grads)
+    return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+
+  public = compiled(*overhead.select_after(inner))
+  rewrite_off(monkeypatch)
+  switched_off = compiled(*overhead.optax_step(ols.loss_scale_optimizer(inner)))
+  assert _hlo.hlo_opcodes(public) == _hlo.hlo_opcodes(switched_off)
 
 
 def test_compile_time_tiny(capsys):
