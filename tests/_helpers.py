@@ -1,5 +1,6 @@
 """What several test modules share: trees, inner optimizers, the training
-steps, a tree-equality assertion, and the patches of private names.
+steps, a tree-equality assertion, a `closed_call` equation, and the
+patches of private names.
 
 The private names that tests patch are named here and nowhere else, so that
 a change to the package's private modules is met in one place.
@@ -12,6 +13,7 @@ import optax
 
 import optax_lossscale as ols
 from optax_lossscale._core import skip as _skip
+from optax_lossscale._jaxpr import compat as _compat
 from optax_lossscale._jaxpr import interpret as _interpret
 
 # Parameters and gradients of two leaves of different shapes.
@@ -108,6 +110,20 @@ def assert_trees_equal(a, b, *, bitwise=True, skip_extended=False):
     x, y = np.asarray(x), np.asarray(y)
     assert (x.dtype, x.shape) == (y.dtype, y.shape), (where, x, y)
     assert x.tobytes() == y.tobytes(), (where, x, y)
+
+
+def closed_call(f, *args):
+  """`f(*args)`, bound as one `closed_call_p` equation around `f`'s jaxpr
+  (an `eval_jaxpr` equation from jax 0.12 on)."""
+  flat, tree = jax.tree.flatten(args)
+  closed, out_shape = jax.make_jaxpr(
+    lambda *xs: f(*jax.tree.unflatten(tree, list(xs))), return_shape=True
+  )(*flat)
+  subfuns, params = _compat.bind_params(
+    _compat.closed_call_p, {"call_jaxpr": closed}
+  )
+  outs = _compat.closed_call_p.bind(*subfuns, *flat, **params)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 # --- patches of private names ---

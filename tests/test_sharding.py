@@ -18,6 +18,7 @@ import optax
 import pytest
 from _helpers import INNERS as ALL_INNERS
 from _helpers import break_the_rewrite, jit_step
+from _meshes import MESHES, make_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.skipif(
   reason="needs 8 devices (on CPU, the test set-up makes them)",
 )
 
-MESHES = {
-  "1d": ((8,), ("data",)),
-  "2d": ((4, 2), ("data", "model")),
-}
 # name -> (mesh, {leaf: spec}); leaves of 64x64 (divisible by every axis).
 LAYOUTS = {
   "fsdp_1d": (
@@ -46,11 +43,6 @@ LAYOUTS = {
 # Two of the shared inner optimizers: each case compiles both steps.
 INNERS = {name: ALL_INNERS[name] for name in ("adam", "sgd_momentum")}
 GATHERING = ("all-gather", "all-to-all", "collective-permute")
-
-
-def make_mesh(name, axis_type):
-  shape, axes = MESHES[name]
-  return jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
 
 
 def sharded_tree(mesh, specs, scale=1.0):
@@ -232,6 +224,7 @@ def test_a_nan_in_one_shard_skips_on_every_device(layout, axis_type):
   assert not bool(ols.skip_stats(new_state).last_finite)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_the_accelerator_form_of_the_check_adds_no_gathering(axis_type):
   # Unmarked: the form that GPU and TPU run, compiled on the CPU mesh
@@ -247,7 +240,10 @@ def test_the_accelerator_form_of_the_check_adds_no_gathering(axis_type):
     assert all(dims == () for _, dims in reduced), reduced  # scalars only
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+  "axis_type",
+  [pytest.param(AxisType.Explicit, marks=pytest.mark.slow), AxisType.Auto],
+)
 def test_all_finite_on_a_mesh(axis_type):
   mesh = make_mesh("2d", axis_type)
   with jax.set_mesh(mesh):
