@@ -80,6 +80,7 @@ def test_select_after_is_the_step_with_the_rewrite_off(opt, monkeypatch):
   assert _hlo.hlo_opcodes(public) == _hlo.hlo_opcodes(switched_off)
 
 
+@pytest.mark.slow
 def test_compile_time_tiny(capsys):
   module = _load("compile_time")
   found = module.main(["--tiny"])
@@ -117,6 +118,7 @@ def test_compile_time_gpt_has_148_leaves_at_12_blocks():
   assert len(jax.tree.leaves(params)) == 148
 
 
+@pytest.mark.slow
 def test_train_step_tiny(capsys):
   results = _load("train_step").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
@@ -130,6 +132,7 @@ def test_train_step_tiny(capsys):
     assert r["compile_ratio"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   jax.default_backend() == "cpu"
   and tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8),
@@ -163,6 +166,7 @@ def _by_case(results):
   return cases
 
 
+@pytest.mark.slow
 def test_sharded_tiny_report(sharded_tiny):
   results, out = sharded_tiny
   assert "device: 8 x" in out and "jax" in out
@@ -195,6 +199,7 @@ def test_sharded_tiny_report(sharded_tiny):
       assert r["sharded_leaves"] > 0
 
 
+@pytest.mark.slow
 def test_sharded_tiny_structural_claims(sharded_tiny):
   """On Auto and Explicit meshes, FSDP and tensor-parallel, adam and sgd
   with momentum, the loss-scaled step runs; its outputs keep plain optax's
@@ -250,6 +255,7 @@ def _assert_no_gradient_sized_temporary(results):
   assert not too_large
 
 
+@pytest.mark.slow
 def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
   """The loss-scaled step adds no gradient-sized temporary per device."""
   _assert_no_gradient_sized_temporary(sharded_tiny[0])

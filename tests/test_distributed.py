@@ -319,6 +319,7 @@ def two_processes(tmp_path_factory):
   return [json.loads(o.read_text()) for o in outs]
 
 
+@pytest.mark.slow
 def test_two_processes_skip_together(two_processes):
   r0, r1 = two_processes
   for i, r in enumerate((r0, r1)):

@@ -268,6 +268,7 @@ def test_each_lowering_holds_one_form_that_reads_each_element_once(
 SCALES = (2.0**-20, 0.3, 0.5, 1.0, 3.0, 2.0**15, 2.0**127)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(trees(), st.sampled_from(SCALES), st.booleans())
 def test_unscaled_check_matches_the_elementwise_definition(
@@ -315,6 +316,7 @@ def test_integer_and_empty_leaves_are_finite():
   )
 
 
+@pytest.mark.slow
 def test_nan_in_a_large_leaf_is_found_wherever_it_is():
   # XLA's vectorized float max on CPU drops NaNs in large arrays (a NaN in a
   # 4099-element float32 leaf gave max 1.0); the check must not.
