@@ -22,9 +22,9 @@ import numpy as np
 from jax import lax
 
 FINITE, INF, NAN = 0, 1, 2
-# One dtype for every code, from an element's to what crosses devices (an
-# `int8` for each leaf's was no faster: benchmarks/README.md, "The check's
-# forms").
+# One dtype for every code, from an element's to what crosses devices: an
+# `int8` for each leaf's was no faster (benchmarks/README.md, "The check's
+# forms", "One code dtype").
 CODE_DTYPE = jnp.int32
 
 # By dtype, as unsigned integers of its width: the bits of the magnitude,

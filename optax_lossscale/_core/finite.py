@@ -32,7 +32,8 @@ class Verdict(NamedTuple):
   nan: jax.Array  # bool[]: some element NaN
   # bool[n], per leaf in `jax.tree.leaves` order: one vector from the check
   # to the counts, since a scalar per leaf made XLA compile a step of a
-  # thousand leaves slowly (benchmarks/README.md).
+  # thousand leaves slowly (benchmarks/README.md, "`leaf_stats`: one vector
+  # of counts").
   leaf_notfinite: jax.Array | None
   # Whether every leaf was checked where a NaN can be told from an inf: a
   # static fact of the program (False where some leaf lives on a mesh with
