@@ -1,10 +1,13 @@
 """What several test modules share: trees, inner optimizers, the training
-steps, a tree-equality assertion, a `closed_call` equation, and the
-patches of private names.
+steps, a tree-equality assertion, a `closed_call` equation, the loading
+of a script by its path, and the patches of private names.
 
 The private names that tests patch are named here and nowhere else, so that
 a change to the package's private modules is met in one place.
 """
+
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +127,15 @@ def closed_call(f, *args):
   )
   outs = _compat.closed_call_p.bind(*subfuns, *flat, **params)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def load_file(path: pathlib.Path, name: str | None = None):
+  """The module in the Python file at `path` (a script or a docs/ helper,
+  not importable by name), run afresh."""
+  spec = importlib.util.spec_from_file_location(name or f"_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 # --- patches of private names ---

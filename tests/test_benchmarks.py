@@ -7,7 +7,6 @@ devices: op kinds counted in the compiled HLO, shardings, temporaries).
 """
 
 import contextlib
-import importlib.util
 import io
 import itertools
 import math
@@ -17,7 +16,7 @@ import _hlo
 import jax
 import jax.numpy as jnp
 import pytest
-from _helpers import rewrite_off
+from _helpers import load_file, rewrite_off
 
 import optax_lossscale as ols
 
@@ -28,12 +27,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(
-    f"_bench_{name}", BENCH / f"{name}.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file(BENCH / f"{name}.py", f"_bench_{name}")
 
 
 def test_overhead_tiny(capsys):
