@@ -142,6 +142,7 @@ def test_static_scale_state_checkpoints(tmp_path):
   assert_trees_equal(back, state)
 
 
+@pytest.mark.slow
 def test_migrate_plain_optax_checkpoint(tmp_path):
   """A checkpoint of a plain optax state, taken before loss scaling was
   added, restores into the loss-scaled optimizer with one line."""

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import assert_trees_equal
+from _meshes import poisoned, step_of, tree_on
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,39 +21,6 @@ pytestmark = pytest.mark.skipif(
   jax.device_count() < 8,
   reason="needs 8 devices (on CPU, the test set-up makes them)",
 )
-
-SPECS = {
-  "w1": P("data", None),
-  "w2": P(None, "model"),
-  "w3": P("data", "model"),
-  "b": P(),
-}
-
-
-def tree_on(mesh, scale=1.0):
-  return {
-    name: jax.device_put(
-      scale * jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64) * (i + 1)
-      if name != "b"
-      else jnp.ones(64) * scale,
-      NamedSharding(mesh, spec),
-    )
-    for i, (name, spec) in enumerate(SPECS.items())
-  }
-
-
-def poisoned(tree, name, index, value):
-  host = np.array(tree[name])
-  host[index] = value
-  return {**tree, name: jax.device_put(host, tree[name].sharding)}
-
-
-def step_of(tx):
-  def step(params, state, grads, loss):
-    updates, state = tx.update(grads, state, params, value=loss)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step)
 
 
 def all_reduces(compiled):
