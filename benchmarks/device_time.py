@@ -24,13 +24,13 @@ from jax.profiler import ProfileData
 # The steps of the two other benchmarks, timed here on the device's clock.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (
-  _fmt_count,
-  _inner,
-  _leaf_sizes,
-  _make_params,
-  _make_variant,
+  build_variant,
+  fmt_count,
+  inner_of,
+  leaf_sizes,
+  make_params,
 )
-from train_step import _data, _problems, _steps
+from train_step import batch_of, problems, steps_of
 
 # Profiler bookkeeping on the XLA CPU client's threads, not computation.
 _CPU_BOOKKEEPING = ("end: ", "ThreadpoolListener", "ThunkExecutor")
@@ -75,13 +75,13 @@ def device_time(step, state, steps):
 
 
 def _post_gradient(n_params, n_leaves, steps):
-  inner = _inner("adam")
-  sizes = _leaf_sizes(n_params, n_leaves)
+  inner = inner_of("adam")
+  sizes = leaf_sizes(n_params, n_leaves)
   grads = [jnp.full((s,), 0.5, jnp.float32) for s in sizes]
   out = {}
   for name in ("plain", "ours", "jmp", "flax"):
-    init, step = _make_variant(name, inner)
-    params = _make_params(sizes)
+    init, step = build_variant(name, inner)
+    params = make_params(sizes)
     state = init(params)
     compiled = (
       jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
@@ -95,10 +95,10 @@ def _post_gradient(n_params, n_leaves, steps):
 def _train_steps(tiny, steps):
   out = {}
   key = jax.random.PRNGKey(0)
-  for model_name, (model, shape) in _problems(tiny).items():
-    x, y, params0 = _data(model, shape, key)
+  for model_name, (model, shape) in problems(tiny).items():
+    x, y, params0 = batch_of(model, shape, key)
     res = {}
-    for name, (tx, step) in _steps(model, x, y).items():
+    for name, (tx, step) in steps_of(model, x, y).items():
       params = jax.tree.map(jnp.copy, params0)
       compiled = (
         jax.jit(step, donate_argnums=(0, 1))
@@ -136,7 +136,7 @@ def main(argv=None):
     [(100_000, 10)] if args.tiny else [(10_000_000, 50), (100_000_000, 10)]
   )
   for n_params, n_leaves in configs:
-    label = f"post-gradient {_fmt_count(n_params)}/{n_leaves} adam"
+    label = f"post-gradient {fmt_count(n_params)}/{n_leaves} adam"
     results[label] = _post_gradient(n_params, n_leaves, steps)
   for model_name, res in _train_steps(args.tiny, steps).items():
     results[f"train step {model_name}"] = res

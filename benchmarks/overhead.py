@@ -21,7 +21,6 @@ and the wait for the result; back to back, dispatch overlaps device work.
 """
 
 import argparse
-import contextlib
 import itertools
 import os
 import statistics
@@ -36,14 +35,6 @@ import optax
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 import optax_lossscale as ols
-
-# The one private name in these benchmarks: the skip's switch
-# `update_unless(..., rewrite=False)`, which replaces the selection of each
-# inner-state value where the inner update makes it by a plain select after
-# the update. Only the `ours_select_after` variant uses it, to measure what
-# the rewrite alone buys; nothing public turns the rewrite off. A rename in
-# the package is a change of this line and of `_rewrite_off`.
-from optax_lossscale._core import skip as _skip
 
 SCALE = 2.0**15
 
@@ -74,7 +65,8 @@ def _parse_count(text: str) -> int:
   return int(float(text.rstrip("KMG")) * mult)
 
 
-def _inner(opt: str):
+def inner_of(opt: str):
+  """The inner optax transformation named by `--opt`."""
   if opt == "adam":
     return optax.adam(1e-3)
   if opt == "sgdm":
@@ -82,41 +74,45 @@ def _inner(opt: str):
   raise ValueError(f"unknown --opt {opt!r}")
 
 
-@contextlib.contextmanager
-def _rewrite_off():
-  """While inside, the package's skip traces as a plain select after the
-  inner update (its `rewrite=False`); a compiled step keeps what it was
-  traced with. Raises if the package's update did not call the skip (the
-  package was reorganized: update the import of `_skip` above)."""
-  original = _skip.update_unless
-  called = []
+class SelectAfterState(NamedTuple):
+  """The state of `select_after`: the scaler's and the inner one."""
 
-  def select_after(*args, **kwargs):
-    called.append(True)
-    return original(*args, **{**kwargs, "rewrite": False})
+  loss_scale_state: ols.LossScaleState
+  inner_state: optax.OptState
 
-  _skip.update_unless = select_after
-  try:
-    yield
-  finally:
-    _skip.update_unless = original
-  if not called:
-    raise RuntimeError(
-      "loss_scale_optimizer's update no longer calls"
-      " optax_lossscale._core.skip.update_unless; update the import of"
-      " `_skip` in benchmarks/overhead.py"
+
+def select_after(inner):
+  """`(init, step(params, state, grads))`: the package's unscale, check and
+  rule (`unscale_and_check`), the inner update, and the skip a plain select
+  after it (`jnp.where` over the updates and the inner state): the step of
+  `loss_scale_optimizer(inner)` without the skip's rewrite, made of public
+  pieces (tests/test_benchmarks.py checks that it compiles to that step)."""
+  scaler = ols.unscale_and_check()
+
+  def init(params):
+    return SelectAfterState(scaler.init(params), inner.init(params))
+
+  def step(params, state, grads):
+    # Zeros where the step skips, so that the inner update sees finite
+    # values only.
+    unscaled, scaler_state = scaler.update(
+      grads, state.loss_scale_state, params
+    )
+    finite = ols.skip_stats(scaler_state).last_finite
+    updates, inner_state = inner.update(unscaled, state.inner_state, params)
+    updates = jax.tree.map(
+      lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates
+    )
+    inner_state = jax.tree.map(
+      lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+      inner_state,
+      state.inner_state,
+    )
+    return optax.apply_updates(params, updates), SelectAfterState(
+      scaler_state, inner_state
     )
 
-
-def select_after(tx):
-  """`tx` (made by `loss_scale_optimizer`) with its skip traced as a plain
-  select after the inner update (see `_rewrite_off`)."""
-
-  def update(updates, state, params=None, **extra_args):
-    with _rewrite_off():
-      return tx.update(updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(tx.init, update)
+  return init, step
 
 
 class UsualState(NamedTuple):
@@ -183,7 +179,7 @@ def optax_step(tx):
   return tx.init, step
 
 
-def _make_variant(name: str, inner):
+def build_variant(name: str, inner):
   """Returns (init(params) -> state, step(params, state, grads))."""
   if name == "plain":
     return optax_step(inner)
@@ -192,7 +188,7 @@ def _make_variant(name: str, inner):
   if name == "ours_select_after":
     # The package's unscale, check and scale rule; the skip a plain select
     # after the inner update: what the rewrite alone buys.
-    return optax_step(select_after(ols.loss_scale_optimizer(inner)))
+    return select_after(inner)
   if name == "apply_if_finite":
     return optax_step(optax.apply_if_finite(inner, max_consecutive_errors=5))
   if name == "usual_where":
@@ -262,12 +258,12 @@ def _make_variant(name: str, inner):
   raise ValueError(f"unknown variant {name!r}")
 
 
-def _leaf_sizes(n_params: int, n_leaves: int):
+def leaf_sizes(n_params: int, n_leaves: int):
   base, extra = divmod(n_params, n_leaves)
   return [base + (i < extra) for i in range(n_leaves)]
 
 
-def _make_params(sizes):
+def make_params(sizes):
   return [jnp.full((s,), 0.01, jnp.float32) for s in sizes]
 
 
@@ -302,18 +298,18 @@ def run_config(
   `make_variant(name, inner) -> (init, step)` builds the variants (default:
   this script's).
   """
-  make_variant = make_variant or _make_variant
-  inner = _inner(opt)
-  sizes = _leaf_sizes(n_params, n_leaves)
+  make_variant = make_variant or build_variant
+  inner = inner_of(opt)
+  sizes = leaf_sizes(n_params, n_leaves)
   grads = [jnp.full((s,), 0.5, grad_dtype) for s in sizes]
   compiled, states, results = {}, {}, {}
   for name in list(variants):
     init, step = make_variant(name, inner)
-    params = _make_params(sizes)
+    params = make_params(sizes)
     state = init(params)
     try:
       c, compile_s = best_compile(step, (params, state, grads), compile_repeats)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # reported in its row, not raised
       # optax.apply_if_finite with float16 gradients and float32 params:
       # its cond branches disagree on dtypes (an optax limitation).
       out(f"  {name}: not run ({type(e).__name__}: {str(e).splitlines()[0]})")
@@ -377,7 +373,7 @@ def run_config(
   return results
 
 
-def _fmt_count(n):
+def fmt_count(n):
   for unit, div in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
     if n >= div and n % div == 0:
       return f"{n // div}{unit}"
@@ -515,7 +511,7 @@ def main(argv=None):
     for name in ran:
       r = res[name]
       print(
-        f"{_fmt_count(n_params):>6} {n_leaves:>6} {opt:>4}"
+        f"{fmt_count(n_params):>6} {n_leaves:>6} {opt:>4}"
         f" {grad_dtype:>7} {name:<17} {r['median_s'] * 1e3:8.2f}"
         f" {r['ratio']:6.2f} {r['compile_ratio']:7.2f}"
         f" {r['copies']:6d} {r['temp_bytes'] / 1e6:8.1f}"

@@ -198,7 +198,7 @@ def run_case(
   """One mesh, layout and optimizer; returns {recipe: result dict}."""
   mesh = make_mesh(mesh_type, layout)
   specs = leaf_specs(layout, n_leaves)
-  inner = overhead._inner(opt)  # pylint: disable=protected-access
+  inner = overhead.inner_of(opt)
   results, live = {}, {}
   with set_mesh(mesh):
     for recipe in recipes:
@@ -206,9 +206,7 @@ def run_case(
         mesh=mesh_type, layout=layout, opt=opt, recipe=recipe, error=None
       )
       try:
-        init, step = overhead._make_variant(  # pylint: disable=protected-access
-          recipe, inner
-        )
+        init, step = overhead.build_variant(recipe, inner)
 
         params = {
           k: jax.device_put(
@@ -241,7 +239,7 @@ def run_case(
         )
         out = jax.block_until_ready(compiled(params, state, grads))  # warm-up
         live[recipe] = (compiled, out, grads)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # reported in its row, not raised
         r["error"] = _first_line(e)
         live.pop(recipe, None)
     plain_out = live["plain"][1] if "plain" in live else None

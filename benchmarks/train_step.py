@@ -79,7 +79,7 @@ class Transformer(nn.Module):
     return nn.LayerNorm(dtype=COMPUTE)(x)
 
 
-def _problems(tiny):
+def problems(tiny):
   if tiny:
     return {
       "mlp": (MLP(width=64, depth=2), (8, 32)),
@@ -93,7 +93,7 @@ def _problems(tiny):
   }
 
 
-def _data(model, shape, key):
+def batch_of(model, shape, key):
   """Inputs, targets and float32 master params for one problem."""
   kx, ky, kp = jax.random.split(key, 3)
   x = jax.random.normal(kx, shape, jnp.float32)
@@ -104,7 +104,7 @@ def _data(model, shape, key):
   return x, y, jax.tree.map(lambda a: a.astype(jnp.float32), params)
 
 
-def _steps(model, x, y):
+def steps_of(model, x, y):
   """Returns {name: (tx, step)} with and without loss scaling."""
 
   def loss_of(params):
@@ -163,10 +163,12 @@ def main(argv=None):
   )
   results = {}
   key = jax.random.PRNGKey(0)
-  for name, (model, shape) in _problems(args.tiny).items():
-    x, y, params0 = _data(model, shape, jax.random.fold_in(key, len(results)))
+  for name, (model, shape) in problems(args.tiny).items():
+    x, y, params0 = batch_of(
+      model, shape, jax.random.fold_in(key, len(results))
+    )
     n = sum(a.size for a in jax.tree.leaves(params0))
-    variants = _steps(model, x, y)
+    variants = steps_of(model, x, y)
     fns, states, times, compile_s = {}, {}, {}, {}
     for vname, (tx, step) in variants.items():
       params = jax.tree.map(jnp.copy, params0)

@@ -307,6 +307,7 @@ MISUSE = Section(
       "ols.set_loss_scale(opt_state, jnp.ones(2))\n"
       'ols.set_loss_scale(opt_state, "8")\n'
       "ols.set_loss_scale(opt_state, True)\n"
+      "ols.set_loss_scale(opt_state, 0.5)  # below the floor, min_scale=1\n"
       "static = ols.loss_scale_optimizer(\n"
       "  sgd, dynamic=False, initial_scale=8.0\n"
       ").init(params)\n"
@@ -333,11 +334,31 @@ MISUSE = Section(
     Case(
       "A report of a state by a transformation that did not make it",
       "state = ols.loss_scale_optimizer(sgd).init(params)\n"
-      "ols.skip_report(state, sgd)\n"
+      'ols.skip_report(state, "sgd")\n'
       "counted = ols.loss_scale_optimizer(sgd, leaf_stats=True)\n"
       "ols.skip_report(state, counted)\n"
+      "higher = ols.loss_scale_optimizer(sgd, min_scale=2.0, hysteresis=2)\n"
+      "ols.raise_if_stuck(state, higher)\n"
+      "ols.raise_if_stuck(state, max_skips_at_floor=0)\n",
+      "The report reads the configuration the state recorded; a `tx` is"
+      " checked against it, and need not be given. Called inside `jit`,"
+      " both raise a `TypeError` that says to call them outside the jitted"
+      " step, on the state it returns.",
+    ),
+    Case(
+      "A checkpoint of an earlier release that cannot be read as given",
       "tx = ols.loss_scale_optimizer(sgd)\n"
-      "ols.raise_if_stuck(state, tx, max_skips_at_floor=0)\n",
+      "old = {  # a 0.1.0 state, as msgpack_restore returns it\n"
+      '  "loss_scale_state": {\n'
+      '    "loss_scale": 8.0, "counter": 0, "notfinite_count": 1,\n'
+      '    "total_notfinite": 3, "last_finite": False},\n'
+      '  "inner_state": {"0": {}, "1": {}}}\n'
+      "ols.upgrade_state(old)\n"
+      "ols.upgrade_state(old, like=tx.init(params))  # sgd keeps no count\n"
+      "ols.upgrade_state(old, like=tx.init(params), steps=2)\n"
+      "ols.upgrade_state(old, like=tx.init(params), steps=True)\n"
+      'old["inner_state"]["0"] = {"count": 40, "mu": params, "nu": params}\n'
+      "ols.upgrade_state(old, like=tx.init(params))  # an adam state\n",
     ),
     Case(
       "`value_and_grad` options",

@@ -15,33 +15,52 @@ from optax_lossscale._access.scale import scale_loss as scale_loss
 from optax_lossscale._access.setter import set_loss_scale as set_loss_scale
 from optax_lossscale._access.upgrade import upgrade_state as upgrade_state
 from optax_lossscale._autocast import autocast as autocast
+from optax_lossscale._core.config import LossScaleConfig as LossScaleConfig
 from optax_lossscale._core.finite import all_finite as all_finite
 from optax_lossscale._core.keras import from_keras_config as from_keras_config
 from optax_lossscale._core.keras import to_keras_config as to_keras_config
+from optax_lossscale._core.master_weights import (
+  Float16ParamsWarning as Float16ParamsWarning,
+)
 from optax_lossscale._core.optimizer import (
   LossScaledTransformation as LossScaledTransformation,
 )
 from optax_lossscale._core.optimizer import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
+from optax_lossscale._core.state import CountedSince as CountedSince
+from optax_lossscale._core.state import LeafCounts as LeafCounts
 from optax_lossscale._core.state import (
   LossScaleOptimizerState as LossScaleOptimizerState,
 )
 from optax_lossscale._core.state import LossScaleState as LossScaleState
+from optax_lossscale._core.state import RecordedConfig as RecordedConfig
+from optax_lossscale._core.state import SkipEvents as SkipEvents
 from optax_lossscale._core.state import SkipStats as SkipStats
 from optax_lossscale._core.step import unscale_and_check as unscale_and_check
 from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
+from optax_lossscale._diagnostics.report import SkipReport as SkipReport
 from optax_lossscale._diagnostics.report import (
   raise_if_stuck as raise_if_stuck,
 )
 from optax_lossscale._diagnostics.report import skip_report as skip_report
 
 # The public types say where users import them from (in `help()`, reprs and
-# the API page), not the private module that defines them.
+# the API page), not the private module that defines them; and so do
+# pickles of a state, which then load wherever the private modules move.
+# (0.2.0's pickles name `optax_lossscale._core.state` for `SkipEvents` and
+# `LeafCounts`: the types are still defined there, and load.)
 for _public_type in (
+  CountedSince,
+  Float16ParamsWarning,
+  LeafCounts,
+  LossScaleConfig,
   LossScaleOptimizerState,
   LossScaleState,
   LossScaledTransformation,
+  RecordedConfig,
+  SkipEvents,
+  SkipReport,
   SkipStats,
 ):
   _public_type.__module__ = __name__
@@ -50,9 +69,16 @@ del _public_type
 __version__ = "0.2.0"
 
 __all__ = (
+  "CountedSince",
+  "Float16ParamsWarning",
+  "LeafCounts",
+  "LossScaleConfig",
   "LossScaleOptimizerState",
   "LossScaleState",
   "LossScaledTransformation",
+  "RecordedConfig",
+  "SkipEvents",
+  "SkipReport",
   "SkipStats",
   "all_finite",
   "autocast",

@@ -13,6 +13,8 @@ import pathlib
 import re
 import traceback
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The README and every page of the site; found by glob, so that a new page
 # is covered without a change here.
@@ -77,6 +79,29 @@ SKIPS = {
     " newest that installs with jax 0.7) lacks",
   ),
 }
+
+# page -> why running it is slow (more than a few seconds): its tests are
+# marked `slow`, and `-m "not slow"` leaves them out.
+SLOW_PAGES = {
+  "docs/recipes.md": "trains several models",
+  "docs/frameworks.md": "trains in every framework",
+  "docs/composition.md": "many optimizers",
+  "docs/float16_goes_wrong.md": "trains several models",
+  "docs/autocast.md": "traces each framework's model",
+}
+
+
+def page_params(paths: list[pathlib.Path]) -> list:
+  """`paths` as pytest parameters, named by page, the slow pages marked."""
+  return [
+    pytest.param(
+      p,
+      id=page_id(p),
+      marks=[pytest.mark.slow] if page_id(p) in SLOW_PAGES else [],
+    )
+    for p in paths
+  ]
+
 
 DOCTEST_FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 

@@ -26,6 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+import optax_lossscale as ols
 
 # Gemma's attention mask: finite in float32, -inf once cast to float16.
 K_MASK = -2.3819763e38
@@ -191,3 +194,53 @@ def loss_fn_float32_norms(
 ) -> jax.Array:
   """The fixed conversion: the norms compute in float32."""
   return _loss(params, batch, jnp.float32)
+
+
+# --- training it with the loss scaler ---------------------------------------
+
+TX = ols.loss_scale_optimizer(optax.adam(1e-2))
+PARAMS = init(jax.random.key(0))
+
+
+def batches(steps, nan_at=(), pad=False):
+  """`steps` batches; those in `nan_at` hold a NaN in their loss weights;
+  with `pad`, the last three targets of a row are padding, weighted 1
+  (a padding mask forgotten)."""
+  out = []
+  for i in range(steps):
+    b = batch(seed=i)
+    if i in nan_at:
+      b["weights"][3, 5] = np.nan
+    if pad:
+      b["targets"][1, -3:] = PAD
+    out.append(b)
+  return out
+
+
+_STEPS: dict[Any, Any] = {}
+
+
+def _step(loss, tx):
+  key = (loss, id(tx))
+  if key not in _STEPS:
+
+    @jax.jit
+    def step(params, opt_state, batch):
+      value, grads = ols.value_and_grad(loss)(opt_state, params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, value=value)
+      return optax.apply_updates(params, updates), opt_state, value
+
+    _STEPS[key] = step
+  return _STEPS[key]
+
+
+def train(params, batches, tx=TX, loss_fn=loss_fn):
+  """Trains on `batches`; returns the parameters, the state and the
+  losses."""
+  step = _step(loss_fn, tx)
+  opt_state = tx.init(params)
+  losses = []
+  for b in batches:
+    params, opt_state, value = step(params, opt_state, b)
+    losses.append(float(value))
+  return params, opt_state, losses

@@ -1,9 +1,13 @@
 """What several test modules share: trees, inner optimizers, the training
-steps, a tree-equality assertion, and the patches of private names.
+steps, a tree-equality assertion, a `closed_call` equation, the loading
+of a script by its path, and the patches of private names.
 
 The private names that tests patch are named here and nowhere else, so that
 a change to the package's private modules is met in one place.
 """
+
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +15,8 @@ import numpy as np
 import optax
 
 import optax_lossscale as ols
-from optax_lossscale._core import finite as _finite
 from optax_lossscale._core import skip as _skip
+from optax_lossscale._jaxpr import compat as _compat
 from optax_lossscale._jaxpr import interpret as _interpret
 
 # Parameters and gradients of two leaves of different shapes.
@@ -111,6 +115,29 @@ def assert_trees_equal(a, b, *, bitwise=True, skip_extended=False):
     assert x.tobytes() == y.tobytes(), (where, x, y)
 
 
+def closed_call(f, *args):
+  """`f(*args)`, bound as one `closed_call_p` equation around `f`'s jaxpr
+  (an `eval_jaxpr` equation from jax 0.12 on)."""
+  flat, tree = jax.tree.flatten(args)
+  closed, out_shape = jax.make_jaxpr(
+    lambda *xs: f(*jax.tree.unflatten(tree, list(xs))), return_shape=True
+  )(*flat)
+  subfuns, params = _compat.bind_params(
+    _compat.closed_call_p, {"call_jaxpr": closed}
+  )
+  outs = _compat.closed_call_p.bind(*subfuns, *flat, **params)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def load_file(path: pathlib.Path, name: str | None = None):
+  """The module in the Python file at `path` (a script or a docs/ helper,
+  not importable by name), run afresh."""
+  spec = importlib.util.spec_from_file_location(name or f"_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 # --- patches of private names ---
 
 
@@ -138,8 +165,12 @@ def break_the_rewrite(monkeypatch, error):
   monkeypatch.setattr(_skip, "_FALLBACK_REASONS_SAID", set())
 
 
-def force_the_accelerator_check(monkeypatch):
-  """Makes the finiteness check of a tree take the form that GPU and TPU
-  run (on CPU it lowers to its CPU form); the per-leaf form is one
-  everywhere."""
-  monkeypatch.setattr(_finite, "_on_cpu", _finite._concatenated)
+def rewrite_off(monkeypatch):
+  """Makes the skip trace as a plain select after the inner update (its
+  `rewrite=False`), as where the rewrite falls back."""
+  update_unless = _skip.update_unless
+
+  def select_after(*args, **kwargs):
+    return update_unless(*args, **{**kwargs, "rewrite": False})
+
+  monkeypatch.setattr(_skip, "update_unless", select_after)

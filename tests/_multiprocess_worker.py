@@ -189,7 +189,7 @@ def main(port, process_id, out_path):
   result["shard_map"] = _shard_map_run(mesh, process_id, fetch)
   try:
     result["fsdp"] = fsdp_run(fsdp_mesh(), fetch)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     # Reported, not raised: the other parts' results still come back.
     result["fsdp"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
   with open(out_path, "w") as f:

@@ -2,19 +2,23 @@
 
 Timings are never asserted (shared, noisy machines); only that the scripts
 run end to end and return finite measurements, and, for the sharded
-benchmark, the structural claims of DESIGN.md's "Sharding" (op kinds
-counted in the compiled HLO, shardings, temporaries).
+benchmark, the structural claims of docs/scaling.md (no gradient moves between
+devices: op kinds counted in the compiled HLO, shardings, temporaries).
 """
 
 import contextlib
-import importlib.util
 import io
 import itertools
 import math
 import pathlib
 
+import _hlo
 import jax
+import jax.numpy as jnp
 import pytest
+from _helpers import load_file, rewrite_off
+
+import optax_lossscale as ols
 
 # The benchmarks time the package as it runs here, with its CPU check.
 pytestmark = pytest.mark.cpu_check_form
@@ -23,12 +27,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(
-    f"_bench_{name}", BENCH / f"{name}.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file(BENCH / f"{name}.py", f"_bench_{name}")
 
 
 def test_overhead_tiny(capsys):
@@ -54,6 +53,28 @@ def test_overhead_tiny(capsys):
   assert plain["ratio"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("opt", ["adam", "sgdm"])
+def test_select_after_is_the_step_with_the_rewrite_off(opt, monkeypatch):
+  """`ours_select_after`, made of public pieces, compiles to the program of
+  `loss_scale_optimizer`'s step with the skip's rewrite switched off: the
+  same operations of each kind."""
+  overhead = _load("overhead")
+  inner = overhead.inner_of(opt)
+  sizes = overhead.leaf_sizes(10_000, 5)
+  params = overhead.make_params(sizes)
+  grads = [jnp.full((s,), 0.5, jnp.float16) for s in sizes]
+
+  def compiled(init, step):
+    args = (params, init(params), grads)
+    return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+
+  public = compiled(*overhead.select_after(inner))
+  rewrite_off(monkeypatch)
+  switched_off = compiled(*overhead.optax_step(ols.loss_scale_optimizer(inner)))
+  assert _hlo.hlo_opcodes(public) == _hlo.hlo_opcodes(switched_off)
+
+
+@pytest.mark.slow
 def test_compile_time_tiny(capsys):
   module = _load("compile_time")
   found = module.main(["--tiny"])
@@ -91,6 +112,7 @@ def test_compile_time_gpt_has_148_leaves_at_12_blocks():
   assert len(jax.tree.leaves(params)) == 148
 
 
+@pytest.mark.slow
 def test_train_step_tiny(capsys):
   results = _load("train_step").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
@@ -104,6 +126,7 @@ def test_train_step_tiny(capsys):
     assert r["compile_ratio"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   jax.default_backend() == "cpu"
   and tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 8),
@@ -137,6 +160,7 @@ def _by_case(results):
   return cases
 
 
+@pytest.mark.slow
 def test_sharded_tiny_report(sharded_tiny):
   results, out = sharded_tiny
   assert "device: 8 x" in out and "jax" in out
@@ -169,6 +193,7 @@ def test_sharded_tiny_report(sharded_tiny):
       assert r["sharded_leaves"] > 0
 
 
+@pytest.mark.slow
 def test_sharded_tiny_structural_claims(sharded_tiny):
   """On Auto and Explicit meshes, FSDP and tensor-parallel, adam and sgd
   with momentum, the loss-scaled step runs; its outputs keep plain optax's
@@ -224,6 +249,7 @@ def _assert_no_gradient_sized_temporary(results):
   assert not too_large
 
 
+@pytest.mark.slow
 def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
   """The loss-scaled step adds no gradient-sized temporary per device."""
   _assert_no_gradient_sized_temporary(sharded_tiny[0])
@@ -256,6 +282,7 @@ def test_sharded_small_shards_no_gradient_sized_temporary():
   _assert_no_gradient_sized_temporary(results)
 
 
+@pytest.mark.slow  # compiles five variants of two models
 def test_autocast_tiny(capsys):
   results = _load("autocast").main(["--tiny"])
   out = capsys.readouterr().out

@@ -11,8 +11,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
-from _helpers import GRADS, PARAMS, assert_trees_equal, forbid_fallback
-from test_compat_names import closed_call
+from _helpers import (
+  GRADS,
+  PARAMS,
+  assert_trees_equal,
+  closed_call,
+  forbid_fallback,
+)
 
 import optax_lossscale as ols
 from optax_lossscale._jaxpr import compat as _compat

@@ -10,22 +10,9 @@ the skip's rewrite or the finder.
 import jax
 import jax.numpy as jnp
 import pytest
+from _helpers import closed_call
 
 from optax_lossscale._jaxpr import compat as _compat
-
-
-def closed_call(f, *args):
-  """`f(*args)`, bound as one `closed_call_p` equation around `f`'s jaxpr
-  (an `eval_jaxpr` equation from jax 0.12 on)."""
-  flat, tree = jax.tree.flatten(args)
-  closed, out_shape = jax.make_jaxpr(
-    lambda *xs: f(*jax.tree.unflatten(tree, list(xs))), return_shape=True
-  )(*flat)
-  subfuns, params = _compat.bind_params(
-    _compat.closed_call_p, {"call_jaxpr": closed}
-  )
-  outs = _compat.closed_call_p.bind(*subfuns, *flat, **params)
-  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 @jax.custom_jvp

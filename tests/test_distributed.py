@@ -5,7 +5,6 @@ decision must be reduced over `axis_name`; under jit with shardings the
 program is global and the decision is one decision with no axis_name.
 """
 
-import importlib.util
 import json
 import os
 import socket
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_equal, loss_step
+from _helpers import assert_trees_equal, load_file, loss_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -153,13 +152,18 @@ def _shard_map_step(tx, mesh, average_grads):
   )
 
 
-def test_shard_map_axis_name_every_shard_skips():
-  mesh = _mesh("d")
+def _shard_map_start(average_grads):
+  """`(step, params, state)`: `_shard_map_step` of adam from `2**10` with
+  `axis_name`, the parameters on every device, and the initial state."""
   tx = ols.loss_scale_optimizer(
     optax.adam(1e-2), initial_scale=2.0**10, axis_name="d"
   )
-  step = _shard_map_step(tx, mesh, average_grads=False)
-  params, state = _replicate(_params()), tx.init(_params())
+  step = _shard_map_step(tx, _mesh("d"), average_grads)
+  return step, _replicate(_params()), tx.init(_params())
+
+
+def test_shard_map_axis_name_every_shard_skips():
+  step, params, state = _shard_map_start(average_grads=False)
   p1, s1 = step(params, state, _batch())
   assert not np.array_equal(p1["w"], params["w"])
   p2, s2 = step(p1, s1, _batch(poison_replica=6))
@@ -169,12 +173,7 @@ def test_shard_map_axis_name_every_shard_skips():
 
 
 def test_shard_map_averaged_grads_params_identical():
-  mesh = _mesh("d")
-  tx = ols.loss_scale_optimizer(
-    optax.adam(1e-2), initial_scale=2.0**10, axis_name="d"
-  )
-  step = _shard_map_step(tx, mesh, average_grads=True)
-  params, state = _replicate(_params()), tx.init(_params())
+  step, params, state = _shard_map_start(average_grads=True)
   for poison in (None, 2, None):
     params, state = step(params, state, _batch(poison))
     assert _same_across_replicas(params)
@@ -319,6 +318,7 @@ def two_processes(tmp_path_factory):
   return [json.loads(o.read_text()) for o in outs]
 
 
+@pytest.mark.slow
 def test_two_processes_skip_together(two_processes):
   r0, r1 = two_processes
   for i, r in enumerate((r0, r1)):
@@ -336,10 +336,8 @@ def test_two_processes_skip_together(two_processes):
 
 
 def _worker_module():
-  spec = importlib.util.spec_from_file_location("_multiprocess_worker", _WORKER)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)  # defines the FSDP problem, starts nothing
-  return module
+  # Defines the FSDP problem; starts nothing.
+  return load_file(_WORKER, "_multiprocess_worker")
 
 
 def test_two_processes_fsdp_explicit_mesh(two_processes):

@@ -30,14 +30,19 @@ import math
 import re
 
 import pytest
-from _doc_pages import PAGES, ROOT, SKIPS, blocks, page_id, run_page
+from _doc_pages import (
+  PAGES,
+  ROOT,
+  SKIPS,
+  blocks,
+  page_id,
+  page_params,
+  run_page,
+)
 
-# The files the site includes from outside docs/ (docs/results.md,
-# docs/benchmarks.md), read for their output blocks too.
-INCLUDED = [
-  ROOT / "notebooks" / "RESULTS.md",
-  ROOT / "benchmarks" / "README.md",
-]
+# The files the site includes from outside docs/ (docs/results.md), read
+# for their output blocks too.
+INCLUDED = [ROOT / "notebooks" / "RESULTS.md"]
 
 OUTPUT_LANGUAGES = {"text", ""}
 ABS_DIGITS = 2  # units of the last printed digit
@@ -214,10 +219,7 @@ def _looks_like_output(block, previous) -> bool:
   return False
 
 
-@pytest.mark.parametrize(
-  "path",
-  [pytest.param(p, id=page_id(p)) for p in [*PAGES, *INCLUDED]],
-)
+@pytest.mark.parametrize("path", page_params([*PAGES, *INCLUDED]))
 def test_printed_output_matches(path, request):
   skip, reason = SKIPS.get(page_id(path), (False, ""))
   if skip:

@@ -29,12 +29,20 @@ block's index and line, and shows the block.
 import re
 
 import pytest
-from _doc_pages import PAGES, SKIPS, blocks, page_id, run_page, where
+from _doc_pages import (
+  PAGES,
+  SKIPS,
+  blocks,
+  page_id,
+  page_params,
+  run_page,
+  where,
+)
 
 OTHER_LIBRARIES = re.compile(r"\btf\.|keras|tensorflow|torch", re.I)
 
 
-@pytest.mark.parametrize("path", PAGES, ids=page_id)
+@pytest.mark.parametrize("path", page_params(PAGES))
 def test_page_runs(path):
   skip, reason = SKIPS.get(page_id(path), (False, ""))
   if skip:

@@ -107,10 +107,8 @@ def returned_types() -> set[type]:
 
 
 def test_every_returned_type_is_documented():
-  # SkipReport, OverflowReport (with Overflow and ScopeStats),
-  # LossScaleConfig, SkipEvents: documented by their defining module's
-  # path, as they are not exported (docs/conf.py keeps that path out of
-  # the rendered page).
+  # A type that is not exported is documented by its defining module's
+  # path (docs/conf.py keeps that path out of the rendered page).
   documented = set(documented_paths())
   missing = []
   for cls in returned_types():

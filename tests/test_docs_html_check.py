@@ -7,25 +7,16 @@ sources of the site themselves, so that a mangled power fails the suite
 before the site is built.
 """
 
-import importlib.util
 import pathlib
 
 import pytest
+from _helpers import load_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 markdown_it = pytest.importorskip("markdown_it")
 
 
-def _load_checker():
-  spec = importlib.util.spec_from_file_location(
-    "_check_html", ROOT / "docs" / "_check_html.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-check_html = _load_checker()
+check_html = load_file(ROOT / "docs" / "_check_html.py")
 render = markdown_it.MarkdownIt("commonmark").enable("table").render
 
 # The site's pages and the files they include.

@@ -3,21 +3,16 @@ runs again here, and the page must match, message for message. (The page's
 blocks also run as doctests in tests/test_doc_snippets.py.)"""
 
 import difflib
-import importlib.util
 import pathlib
 
 import pytest
+from _helpers import load_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _generator():
-  spec = importlib.util.spec_from_file_location(
-    "_errors", ROOT / "docs" / "_errors.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file(ROOT / "docs" / "_errors.py")
 
 
 def test_errors_page_is_current():

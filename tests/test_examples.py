@@ -54,12 +54,27 @@ def test_the_five_examples_are_there():
   assert "nnx_gpt_fp16.py" in names
 
 
+# The examples whose runs take longer than a few seconds (a sharded GPT,
+# the digits tutorial, a TrainState and an Equinox run); nnx_mlp_fp16 stays
+# in the fast subset, which so runs one example end to end.
+SLOW_EXAMPLES = (
+  "nnx_gpt_fp16",
+  "nnx_mnist_tutorial_fp16",
+  "linen_trainstate_fp16",
+  "equinox_mlp_fp16",
+)
+
+
+def _marks(script):
+  marks = [_needs_nnx_view] if "tutorial" in script.stem else []
+  if script.stem in SLOW_EXAMPLES:
+    marks.append(pytest.mark.slow)
+  return marks
+
+
 @pytest.mark.parametrize(
   "script",
-  [
-    pytest.param(p, marks=_needs_nnx_view) if "tutorial" in p.stem else p
-    for p in EXAMPLES
-  ],
+  [pytest.param(p, marks=_marks(p)) for p in EXAMPLES],
   ids=lambda p: p.stem,
 )
 def test_example_trains_in_float16(script):
@@ -77,6 +92,7 @@ def test_example_trains_in_float16(script):
   assert list(products) == ["float16"] and products["float16"] > 0, stdout
 
 
+@pytest.mark.slow
 @_needs_nnx_view
 def test_converted_tutorial_learns_the_digits():
   _, result = _run(ROOT / "examples" / "nnx_mnist_tutorial_fp16.py")
@@ -91,6 +107,7 @@ def test_nnx_example_sets_the_scale_on_the_split_state():
   assert result["loss_scale"] == 1024.0
 
 
+@pytest.mark.slow
 def test_gpt_example_trains_sharded_and_tracks_float32():
   stdout, result = _run(ROOT / "examples" / "nnx_gpt_fp16.py")
   # The MLP's first kernel is split by columns over the mesh's "model" axis.

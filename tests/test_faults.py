@@ -319,7 +319,15 @@ def check_against_model(config_name, code, outs):
   return problems
 
 
-@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize(
+  "config_name",
+  # 50 schedules each: the keras-like configuration stays in the fast
+  # subset.
+  [
+    c if c == "keras-like" else pytest.param(c, marks=pytest.mark.slow)
+    for c in CONFIGS
+  ],
+)
 def test_random_fault_schedules(config_name, record_property):
   totals = collections.Counter(corruptions=0)
 

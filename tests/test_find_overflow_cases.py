@@ -437,6 +437,7 @@ def _peak(compiled):
   )
 
 
+@pytest.mark.slow
 def test_the_memory_benchmark_runs_tiny(capsys):
   import importlib.util
   import pathlib

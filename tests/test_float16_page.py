@@ -10,7 +10,7 @@ rather than in text blocks that nothing compares.
 import pathlib
 import re
 
-from test_doc_snippets import blocks
+from _doc_pages import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "float16_goes_wrong.md"
@@ -58,10 +58,9 @@ def test_the_pycon_outputs_are_there():
   assert "report.first.pass_name, report.first.scope" in pycon
 
 
-def test_no_lab_notes():
+def test_no_evidence_cited_from_the_repository():
+  # Commits and loads: tests/test_doc_pages.py, for every page.
   text = PAGE.read_text()
-  commit = r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"
-  assert not re.search(commit, text)
   assert "tests/test_" not in text  # test files cited as evidence
-  assert not re.search(r"load average|this machine|\.py:\d+", text)
+  assert not re.search(r"\.py:\d+", text)
   assert "SkipStats(" not in text  # the old read-out, in full

@@ -177,6 +177,9 @@ SLOW = (
   "optax.contrib.scale_by_galore",
   "optax.contrib.mechanize",
   "optax.add_noise",
+  "optax.adabelief",
+  "optax.scale_by_lbfgs",
+  "optax.noisy_sgd",
 )
 
 

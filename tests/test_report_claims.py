@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_lossscale as ols
-from optax_lossscale._diagnostics import format as fmt
 
 PARAMS = {
   "dense": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)},
   "head": jnp.ones(4),
 }
 LEAVES = ("dense/b", "dense/w", "head")  # tree order
+INT32_MAX = 2**31 - 1
 
 # A step's outcome: the gradients (finite, an inf or a NaN) and the loss.
 OUTCOMES = {
@@ -80,7 +80,7 @@ def text_of(codes, **config):
 def test_a_static_scale_never_comes_down_nor_has_a_floor():
   for codes in ("iiii", "iiiiL", "nnnnn", "fiif"):
     report, text = text_of(codes, dynamic=False, initial_scale=2.0**10)
-    assert "static (it never changes)" in text
+    assert "static (it never changes by itself)" in text
     for word in ("floor", "coming down", "lower", "finding its level"):
       assert word not in text.replace("a lower static scale", ""), text
     assert report.min_scale is None and not report.at_floor
@@ -88,7 +88,7 @@ def test_a_static_scale_never_comes_down_nor_has_a_floor():
 
 def test_a_held_scale_is_never_said_to_lower():
   report, text = text_of("fLLLLL", backoff_on_nonfinite_loss=False)
-  assert "the scale was left as it was on those steps" in text
+  assert "each of those steps left the scale as it was" in text
   assert "coming down" not in text and "lowered" not in text
   assert report.loss_scale == 2.0**15
 
@@ -104,8 +104,8 @@ def test_hysteresis_skips_are_not_each_an_overflow_that_lowered():
   assert report.loss_scale == 2.0**15
   assert "each an overflow" not in text and "lowered" not in text
   assert (
-    "3 of the 3 skipped steps had non-finite gradients and left the scale"
-    " where it was: `hysteresis=4`" in " ".join(report.diagnosis)
+    "3 of the 3 skipped steps left the scale where it was, held by"
+    " hysteresis" in " ".join(report.diagnosis)
   )
   # The fourth in a row backs off: now one of four lowered it.
   report, text = text_of("iiii", hysteresis=4)
@@ -255,15 +255,18 @@ def test_the_configuration_inside_wrappers():
     assert ols.skip_report(state, tx).min_scale == 2.0
 
 
-def test_a_tx_without_a_configuration_or_with_two_is_refused():
-  state = ols.loss_scale_optimizer(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(TypeError, match="`tx` must be the transformation"):
-    ols.skip_report(state, optax.sgd(0.1))
+def test_a_tx_without_a_configuration_is_accepted_and_changes_nothing():
+  # A chain or wrapper carries no configuration the report can read (the
+  # state records its own); a non-transformation is refused.
+  tx, state, _ = run("iii", initial_scale=2.0)
+  alone = str(ols.skip_report(state))
   two = optax.chain(
     ols.unscale_and_check(min_scale=2.0), ols.unscale_and_check()
   )
-  with pytest.raises(TypeError, match="`tx` must hold one loss-scale"):
-    ols.skip_report(state, two)
+  for other in (optax.sgd(0.1), two, optax.chain(optax.identity(), tx)):
+    assert str(ols.skip_report(state, other)) == alone
+  with pytest.raises(TypeError, match="`tx` must be an optax transformation"):
+    ols.skip_report(state, {"min_scale": 1.0})
 
 
 @pytest.mark.parametrize(
@@ -273,6 +276,10 @@ def test_a_tx_without_a_configuration_or_with_two_is_refused():
     (dict(dynamic=False, initial_scale=8.0), dict(), "dynamic=True"),
     (dict(), dict(leaf_stats=True), "leaf_stats=True"),
     (dict(leaf_stats=True), dict(), "leaf_stats=False"),
+    (dict(), dict(min_scale=2.0), "min_scale=2.0"),
+    (dict(), dict(dynamic_growth_steps=10), "growth_steps=10"),
+    (dict(), dict(growth_factor=4.0), "growth_factor=4.0"),
+    (dict(), dict(backoff_factor=0.25), "backoff_factor=0.25"),
   ],
 )
 def test_a_tx_that_did_not_make_the_state_is_refused(made_by, given, message):
@@ -300,18 +307,15 @@ def test_a_scale_set_by_hand_is_reported_not_refused():
 # --- where the check cannot tell a NaN from an inf ---
 
 
-def test_host_arrays_leave_nan_against_inf_unknown():
+def test_host_arrays_report_what_the_device_state_does():
+  # Whether a NaN was told from an inf is recorded with each skip: the
+  # report of the state fetched to the host is the same.
   tx, state, _ = run("iii", initial_scale=2.0)
   on_device = ols.skip_report(state, tx)
   assert on_device.nan_told_apart is True
   assert "overflowed to inf" in on_device.diagnosis[0]
   on_host = ols.skip_report(jax.device_get(state), tx)
-  assert on_host.nan_told_apart is None
-  assert (
-    "2 with inf (or a NaN on an Auto mesh, which this check cannot tell"
-    " apart)" in on_host.diagnosis[0]
-  )
-  assert "or a bug" in on_host.diagnosis[0]
+  assert on_host == on_device
 
 
 # --- stopping a run ---
@@ -378,26 +382,37 @@ def test_raise_if_stuck_refuses_bad_arguments(kwargs, error, match):
     ols.raise_if_stuck(tx.init(PARAMS), tx, **kwargs)
 
 
-def test_raise_if_stuck_needs_tx():
-  tx = ols.loss_scale_optimizer(optax.sgd(0.1))
-  with pytest.raises(TypeError, match="`tx` must be the transformation"):
-    ols.raise_if_stuck(tx.init(PARAMS), None)
+def test_raise_if_stuck_needs_no_tx():
+  tx, state, _ = run("iiiii", initial_scale=2.0)
+  for passed in (tx, None):
+    with pytest.raises(RuntimeError, match="floor of the loss scale"):
+      ols.raise_if_stuck(state, passed, max_skips_at_floor=3)
 
 
 # --- the property: every printed claim is true of the history ---
 
-# A few configurations, each compiled once: dynamic and static, hysteresis
-# 1 to 4, both settings of backoff_on_nonfinite_loss, floors 1, 2 and 4,
-# scales that reach the floor within a history and that do not.
+# A few configurations, each compiled once (per placement): dynamic and
+# static, hysteresis 1 to 4, both settings of backoff_on_nonfinite_loss,
+# floors 1, 2, 4 and 1/4, scales that reach the floor within a history and
+# that do not.
 CONFIGS = (
   dict(initial_scale=4.0, dynamic_growth_steps=3),
   dict(initial_scale=8.0, hysteresis=2, backoff_on_nonfinite_loss=False),
   dict(initial_scale=16.0, min_scale=4.0, hysteresis=3, leaf_stats=True),
   dict(initial_scale=2.0**10, min_scale=2.0, hysteresis=4),
   dict(initial_scale=8.0, backoff_on_nonfinite_loss=False, leaf_stats=True),
+  dict(initial_scale=2.0, min_scale=0.25, dynamic_growth_steps=2),
   dict(dynamic=False, initial_scale=8.0),
   dict(dynamic=False, initial_scale=2.0, backoff_on_nonfinite_loss=False),
 )
+
+# Between steps, a history may set the scale (`set_loss_scale`, above and
+# below 1, which the setter may refuse), put a scale below 1 by hand (a
+# field replaced, which only the step then sees), or move the run to
+# another placement: one device, or replicated on an `Explicit` or an
+# `Auto` mesh of the 8 CPU devices (where a NaN counts as an inf).
+SETS = (0.5, 2.0, 2.0**12)
+PLACEMENTS = ("one device", "Explicit", "Auto")
 
 
 def model_config(config):
@@ -410,108 +425,356 @@ def model_config(config):
   )
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(
-  codes=st.lists(st.sampled_from("fffinLl"), min_size=1, max_size=14),
-  which=st.integers(0, len(CONFIGS) - 1),
+@functools.cache
+def placement(name):
+  if name == "one device":
+    return jax.devices()[0]
+  axis = getattr(jax.sharding.AxisType, name)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis,) * 2)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def on_an_auto_mesh(tree):
+  """Whether some leaf's type places it on a mesh with `Auto` axes, where
+  the check counts a NaN as an inf. The type, not the array's sharding:
+  `jax.device_put` from such a mesh to one device keeps the mesh in the
+  type (jax 0.10), and the check, traced from the types, is the mesh's."""
+  for x in jax.tree.leaves(tree):
+    mesh = jax.typeof(x).sharding.mesh
+    if any(getattr(t, "name", str(t)) == "Auto" for t in mesh.axis_types):
+      return True
+  return False
+
+
+def saturated(state, near):
+  """`state` with its step and skip counters `near` saturation."""
+  value = jnp.int32(near)
+  return state._replace(
+    loss_scale_state=state.loss_scale_state._replace(
+      steps=value, total_skipped=value, nan_steps=value
+    )
+  )
+
+
+def run_ops(ops, config, near=None):
+  """Runs `ops` on the library and on the model; returns (tx, state,
+  model state, truth, placement name), truth per step `(skipped, scale
+  before, scale after)`."""
+  tx, step = compiled(**config)
+  mc = model_config(config)
+  state, model = tx.init(PARAMS), _model.initial(mc)
+  if near is not None:
+    state = saturated(state, near)
+    model.steps = model.total = model.nan_steps = near
+  where, truth = "one device", []
+  for op in ops:
+    if op == "P":  # the next placement, the state moved there
+      where = PLACEMENTS[(PLACEMENTS.index(where) + 1) % len(PLACEMENTS)]
+      state = jax.device_put(state, placement(where))
+    elif op == "B":  # a scale below 1, put there by hand
+      state = state._replace(
+        loss_scale_state=state.loss_scale_state._replace(
+          loss_scale=jax.device_put(jnp.float32(0.5), placement(where))
+        )
+      )
+      model.scale = 0.5
+    elif isinstance(op, float):
+      floor = mc.min_scale if mc.dynamic else (1.0 if model.scale >= 1 else 0)
+      if op < floor:
+        with pytest.raises(ValueError, match="`value` must be"):
+          ols.set_loss_scale(state, op)
+      else:
+        state = ols.set_loss_scale(state, op)
+        model.scale = op
+    else:
+      finite, nan, loss_finite = OUTCOMES[op]
+      grads, loss = jax.device_put(
+        (grads_for(op), jnp.float32({"L": np.nan, "l": np.inf}.get(op, 1.0))),
+        placement(where),
+      )
+      before = model.scale
+      told = not on_an_auto_mesh((grads, state))
+      state = step(grads, state, loss)
+      model = _model.step(model, finite, mc, loss_finite, nan, told=told)
+      truth.append((not model.last_finite, before, model.scale))
+  return tx, state, model, truth, where
+
+
+ops = st.lists(
+  st.one_of(
+    st.sampled_from("fffinLl"),
+    st.sampled_from(["P", "B", *SETS]),
+  ),
+  min_size=1,
+  max_size=14,
 )
-def test_every_printed_claim_is_true_of_the_history(codes, which):
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+  ops=ops,
+  which=st.integers(0, len(CONFIGS) - 1),
+  near=st.sampled_from([None, None, INT32_MAX - 3]),
+)
+def test_every_printed_claim_is_true_of_the_history(ops, which, near):
   config = CONFIGS[which]
-  tx, state, truth = run(codes, **config)
-  # The run follows the rule model, step for step. An inf loss with finite
-  # gradients under `backoff_on_nonfinite_loss=True` is left out of the
-  # comparison: whether such a step skips is the step's to decide (the
-  # claims below are checked against what the run did, `truth`).
-  outcomes = [OUTCOMES[c] for c in codes]
-  if "l" not in codes or not config.get("backoff_on_nonfinite_loss", True):
-    assert truth == _model.history(model_config(config), outcomes)
+  tx, state, model, truth, _ = run_ops(ops, config, near)
+  got = state.loss_scale_state
+  # The run follows the rule model, step for step, and records each skip
+  # as the model does.
+  assert float(got.loss_scale) == model.scale
+  assert int(got.total_skipped) == model.total
+  assert int(got.skipped_in_a_row) == model.in_a_row
+  assert int(got.nan_steps) == model.nan_steps
+  assert bool(got.nan_steps_exact) == model.nan_steps_exact
   report = ols.skip_report(state, tx)
-  check_claims(str(report), report, codes, truth, config)
+  assert [e[:4] for e in recorded(report)] == [
+    (e.step, e.causes, e.before, e.after) for e in model.events
+  ]
+  check_claims(report, model, truth, config)
+  # Wherever the state is put, it says the same.
+  for where in PLACEMENTS:
+    assert ols.skip_report(jax.device_put(state, placement(where))) == report
+  # A transformation configured otherwise did not make it.
+  liar = dict(config, hysteresis=config.get("hysteresis", 1) + 1)
+  if not config.get("dynamic", True):
+    liar = dict(initial_scale=8.0)
+  with pytest.raises(ValueError, match="`tx` did not make this state"):
+    ols.skip_report(state, ols.loss_scale_optimizer(optax.sgd(0.1), **liar))
 
 
-def check_claims(text, report, codes, truth, config):
+def recorded(report):
+  """The recent-skip lines: (step, causes, before, after, annotations)."""
+  found = []
+  for line in str(report).splitlines():
+    m = re.fullmatch(
+      r"  step (\d+)( or later)?: ([^;]+); scale (\S+) -> ([^,]+)(, .*)?",
+      line,
+    )
+    if m:
+      causes = tuple(
+        "inf" if c == "inf or NaN" else c for c in m.group(3).split(", ")
+      )
+      step = int(m.group(1))
+      before, after = (_unscale(m.group(k)) for k in (4, 5))
+      found.append((step, causes, before, after, m.group(6) or ""))
+  return found
+
+
+def _unscale(text):
+  """The value `fmt.scale` wrote."""
+  return 2.0 ** int(text[3:]) if text.startswith("2**") else float(text)
+
+
+# Each sentence the diagnosis may say, and the check of its claims.
+CLAIMS = []
+
+
+def claim(pattern):
+  def register(check):
+    CLAIMS.append((re.compile(pattern), check))
+    return check
+
+  return register
+
+
+def check_claims(report, model, truth, config):
+  text = str(report)
   dynamic = config.get("dynamic", True)
   floor = config.get("min_scale", 1.0)
-  skips = [
-    (i, before, after) for i, (s, before, after) in enumerate(truth) if s
-  ]
-  in_a_row = len(truth) - max(
-    [i + 1 for i, (s, _, _) in enumerate(truth) if not s], default=0
+  events = model.events
+  kept_all = model.total == len(events)
+  in_a_row = model.in_a_row
+  streak = events[len(events) - min(in_a_row, len(events)) :]
+  facts = dict(
+    model=model,
+    events=events,
+    kept_all=kept_all,
+    streak=streak,
+    dynamic=dynamic,
+    floor=floor,
+    truth=truth,
   )
-  words = " ".join(text.split())
-
-  # The counts are the history's.
-  assert f"steps: {len(codes)} seen; skipped: {len(skips)} in total" in text
+  # The lines: counts, each skip with its annotations, the scale's line.
+  assert f"steps: {model.steps} seen; skipped: {model.total} in total" in text
   assert f", {in_a_row} in a row now" in text
-  # Each recent skip: its step, causes, and the scales it ran at and left.
-  recent = re.findall(r"  step (\d+): ([^;]+); scale (\S+) -> (\S+)", text)
-  assert len(recent) == min(len(skips), 8)
-  for (step, causes, before, after), (i, b, a) in zip(
-    recent, skips[-8:], strict=True
-  ):
-    assert int(step) == i
-    assert (before, after) == (fmt.scale(b), fmt.scale(a))
-    assert ("loss" in causes) == (codes[i] in "Ll")
-    assert ("NaN" in causes) == (codes[i] in "nL")
-
-  if not skips:
-    assert "no step was skipped" in words
+  for (*_, notes), event in zip(recorded(report), events, strict=True):
+    assert ("held by hysteresis" in notes) == event.hysteresis_held
+    assert ("not counted against" in notes) == event.loss_not_blamed
+  line = text.splitlines()[0]
+  assert ("static" in line) == (not dynamic)
+  assert ("now at its floor" in line) == (dynamic and model.scale == floor)
+  if model.total:
+    assert f"{model.nan_steps} with NaN in the gradients" in text
+    assert ("(a lower bound" in text) == (not model.nan_steps_exact)
   if not dynamic:
-    for word in ("floor", "coming down", "lowered", "lowering", "finding"):
+    words = " ".join(report.diagnosis)
+    for word in ("floor", "lowered", "lowering", "finding", "held"):
       assert word not in words, text
-  if "each an overflow (inf) that lowered the scale" in words or (
-    "each a skip for non-finite gradients that lowered" in words
-  ):
-    shown = skips[-8:]
-    assert all(a < b for _, b, a in shown)
-    assert all(codes[i] in "in" for i, _, _ in shown)
-  if "the last lowering the scale from" in words:
-    assert in_a_row >= 2 and skips[-1][2] < skips[-1][1]
-  if "it has now reached its floor" in words:
-    assert skips[-1][2] == floor
-  found = re.search(r"on (at least )?(\d+) steps? that ran at the floor", words)
-  if found:
-    assert dynamic
-    streak = skips[len(skips) - in_a_row :]
-    at_floor = [i for i, b, _ in streak if b == floor and codes[i] in "in"]
-    count = int(found.group(2))
-    assert len(at_floor) >= count if found.group(1) else len(at_floor) == count
-    if "- NaN in the gradients" in words:
-      assert all(codes[i] == "n" for i in at_floor[-count:])
-  held = re.search(
-    r"(\d+) of the (last )?(\d+) skipped steps had non-finite gradients and"
-    r" left the scale where it was",
-    words,
+  # Each sentence of the diagnosis is one the checks below know.
+  for sentence in report.diagnosis:
+    matched = [(m, check) for rx, check in CLAIMS if (m := rx.search(sentence))]
+    assert matched, sentence
+    for m, check in matched:
+      check(m, sentence, **facts)
+
+
+def _gradients_only(e):
+  return "loss" not in e.causes and ("inf" in e.causes or "NaN" in e.causes)
+
+
+@claim(r"^no step was skipped")
+def _none(m, s, model, **_):
+  assert model.total == 0
+
+
+@claim(r"^(\d+) steps? skipped \(\d+%\): (.*)\.$")
+def _causes(m, s, model, events, kept_all, **_):
+  assert int(m.group(1)) == model.total
+  parts = dict(
+    (why, int(n))
+    for n, why in re.findall(
+      r"(\d+) (for [^,]+|without a non-finite loss)", m.group(2)
+    )
   )
-  if held:
-    shown = skips[-int(held.group(3)) :]
-    left = [
-      i for i, b, a in shown if a == b and b != floor and codes[i] in "in"
+  if "for a non-finite loss" in parts:
+    assert parts.pop("for a non-finite loss") == model.nonfinite_loss_steps
+  if kept_all:
+    below = [
+      e
+      for e in events
+      if "scale below 1" in e.causes
+      and "loss" not in e.causes
+      and not _gradients_only(e)
     ]
-    assert len(left) == int(held.group(1))
-    assert dynamic
-  down = re.search(
-    r"at every scale down to the floor \((\d+) steps? skipped in a row\)", words
+    assert parts.pop("for a scale below 1", 0) == len(below)
+    grads = [e for e in events if "loss" not in e.causes and e not in below]
+    assert parts.pop("for non-finite gradients", 0) == len(grads)
+  assert set(parts) <= {"without a non-finite loss"}
+
+
+@claim(r"not finite on every one of the (\d+) steps")
+def _every_batch(m, s, model, truth, **_):
+  assert int(m.group(1)) == len(truth) == model.nonfinite_loss_steps >= 2
+
+
+@claim(r"^the loss itself was not finite in (\d+) of (\d+) skipped steps")
+def _bad_losses(m, s, model, events, **_):
+  assert int(m.group(1)) == model.nonfinite_loss_steps
+  assert int(m.group(2)) == model.total
+  losses = [e for e in events if "loss" in e.causes]
+  if "left the scale as it was" in s:
+    assert losses and all(
+      e.loss_not_blamed and e.before == e.after for e in losses
+    )
+
+
+@claim(r"on (at least )?(\d+) steps? that ran at the floor \((\S+)\)")
+def _at_floor_now(m, s, streak, dynamic=True, floor=1.0, **_):
+  assert dynamic
+  at = [e for e in streak if e.before == e.floor and _gradients_only(e)]
+  count = int(m.group(2))
+  assert len(at) == count and _unscale(m.group(3)) == floor
+  if s.startswith("NaN in the gradients"):
+    assert all("NaN" in e.causes for e in at)
+  if "overflowed to inf" in s:
+    assert all(e.causes == ("inf",) and e.nan_told_apart for e in at)
+
+
+@claim(r"at every scale down to the floor \((\d+) steps? skipped in a row\)")
+def _down(m, s, model, streak, floor=1.0, **_):
+  assert int(m.group(1)) == model.in_a_row == len(streak)
+  assert all(e.causes == ("NaN",) for e in streak)
+  assert streak[0].before != floor and streak[-1].before == floor
+
+
+@claim(
+  r"^(\d+) steps skipped in a row, the last for non-finite gradients,"
+  r" lowering the scale from (\S+) to (\S+?)[,:]"
+)
+def _in_a_row(m, s, model, streak, floor=1.0, **_):
+  assert int(m.group(1)) == model.in_a_row >= 2
+  last = streak[-1]
+  assert _gradients_only(last)
+  assert (_unscale(m.group(2)), _unscale(m.group(3))) == (
+    last.before,
+    last.after,
   )
-  if down:
-    streak = skips[len(skips) - in_a_row :]
-    assert int(down.group(1)) == in_a_row
-    assert all(codes[i] == "n" for i, _, _ in streak)
-    assert streak[0][1] != floor and streak[-1][1] == floor
-  static = re.search(
-    r"(\d+) of (the last )?(\d+) skipped steps had non-finite gradients at"
-    r" the static scale",
-    words,
-  )
-  if static:
-    assert not dynamic
-    shown = skips[-int(static.group(3)) :]
-    assert int(static.group(1)) == sum(codes[i] in "in" for i, _, _ in shown)
-  if "the scale was left as it was on those steps" in words:
-    assert all(a == b for i, b, a in skips if codes[i] in "Ll")
-  if "every batch" in words:
-    assert set(codes) <= {"L", "l"}
-  losses = re.search(r"not finite in (\d+) of (\d+) skipped steps", words)
-  if losses:
-    assert int(losses.group(1)) == sum(codes[i] in "Ll" for i, _, _ in skips)
-    assert int(losses.group(2)) == len(skips)
+  assert ("cannot go lower" in s) == (last.after == floor)
+
+
+@claim(r"skipped steps( kept)? ran at the floor \((\S+)\) and were skipped")
+def _at_floor_before(m, s, events, streak, floor=1.0, **_):
+  earlier = events[: len(events) - len(streak)]
+  at = [e for e in earlier if e.before == e.floor and _gradients_only(e)]
+  assert int(s.split(" of the ")[0]) == len(at) > 0
+  assert _unscale(m.group(2)) == floor
+
+
+@claim(
+  r"^(\d+) of the (last )?(\d+) skipped steps( kept)? left the scale where"
+  r" it was, held"
+)
+def _held(m, s, events, dynamic=True, **_):
+  assert dynamic
+  held = [e for e in events if e.hysteresis_held]
+  assert int(m.group(1)) == len(held) and int(m.group(3)) == len(events)
+  assert all(e.before == e.after for e in held)
+
+
+@claim(
+  r"(each|was|were each) (an overflow \(inf\)|a skip for non-finite"
+  r" gradients) that lowered"
+)
+def _level(m, s, model, events, dynamic=True, **_):
+  assert dynamic and model.in_a_row < 2
+  grads = [e for e in events if _gradients_only(e)]
+  assert grads and all(e.after < e.before for e in grads)
+  if m.group(1) != "each":
+    assert int(s.split(" of the ")[0]) == len(grads)
+  if m.group(2) == "an overflow (inf)":
+    assert all(e.causes == ("inf",) and e.nan_told_apart for e in grads)
+
+
+@claim(r"^(\d+) of (the last )?(\d+) skipped steps had non-finite gradients at")
+def _static(m, s, events, dynamic=True, **_):
+  assert not dynamic
+  grads = [e for e in events if _gradients_only(e)]
+  assert int(m.group(1)) == len(grads)
+  at = s.split("non-finite gradients at ")[1].split(": a static scale")[0]
+  if at.startswith("the static scale "):
+    shown = [at.removeprefix("the static scale ")]
+  else:
+    shown = at.removeprefix("static scales ")
+    shown = shown.removesuffix(" (changed by hand)").split(", ")
+  scales = sorted({e.before for e in grads}, reverse=True)
+  assert [_unscale(x) for x in shown] == scales
+
+
+@claim(r"ran at a scale below 1 \((\S+)\)")
+def _below_one(m, s, events, **_):
+  below = [e for e in events if "scale below 1" in e.causes]
+  assert int(s.split(" of the ")[0]) == len(below) > 0
+  assert _unscale(m.group(1)) == below[-1].before < 1
+
+
+@claim(r"checked on a mesh with Auto axes")
+def _mesh(m, s, events, **_):
+  assert any(not e.nan_told_apart and "inf" in e.causes for e in events)
+
+
+@claim(r"^the NaN count is a lower bound: a skip with non-finite gradients")
+def _unkept(m, s, model, events, **_):
+  assert not model.nan_steps_exact
+  assert all(e.nan_told_apart or "inf" not in e.causes for e in events)
+
+
+@claim(r"^every parameter's gradient stayed finite on every step")
+def _leaves_clean(m, s, truth, events, **_):
+  assert all("inf" not in e.causes and "NaN" not in e.causes for e in events)
+
+
+@claim(r"^the gradients of (\d+) of (\d+) parameters were not finite")
+def _leaves_hit(m, s, events, **_):
+  assert int(m.group(2)) == len(LEAVES) and int(m.group(1)) == 1

@@ -73,7 +73,9 @@ def _load(path):
     # The NaN streak (steps 10..15) spans the checkpoint at step 12 and
     # the kill that follows it: the checkpoint holds a streak in
     # progress (hysteresis=2, skip counters mid-count).
-    pytest.param(12, (10, 16), id="kill-during-overflow-streak"),
+    pytest.param(
+      12, (10, 16), id="kill-during-overflow-streak", marks=pytest.mark.slow
+    ),
   ],
 )
 def test_sigkill_then_resume_equals_uninterrupted(

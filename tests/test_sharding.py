@@ -17,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 from _helpers import INNERS as ALL_INNERS
-from _helpers import break_the_rewrite, force_the_accelerator_check, jit_step
+from _helpers import break_the_rewrite, jit_step
+from _meshes import MESHES, make_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.skipif(
   reason="needs 8 devices (on CPU, the test set-up makes them)",
 )
 
-MESHES = {
-  "1d": ((8,), ("data",)),
-  "2d": ((4, 2), ("data", "model")),
-}
 # name -> (mesh, {leaf: spec}); leaves of 64x64 (divisible by every axis).
 LAYOUTS = {
   "fsdp_1d": (
@@ -46,11 +43,6 @@ LAYOUTS = {
 # Two of the shared inner optimizers: each case compiles both steps.
 INNERS = {name: ALL_INNERS[name] for name in ("adam", "sgd_momentum")}
 GATHERING = ("all-gather", "all-to-all", "collective-permute")
-
-
-def make_mesh(name, axis_type):
-  shape, axes = MESHES[name]
-  return jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
 
 
 def sharded_tree(mesh, specs, scale=1.0):
@@ -172,7 +164,7 @@ def most_all_reduces(layout, axis_type):
 
 
 # Open, on CPU only: on an Auto mesh XLA on CPU splits the one-operand sum of
-# `_finite._reduced_where_it_lives` into reduce-windows and materializes its
+# `finite._reduced_where_it_lives` into reduce-windows and materializes its
 # input (`x - x`, one shard per leaf) for these shard shapes; the two-operand
 # reduction that it keeps whole, the partitioner gathers first. XLA on GPU
 # and TPU reduces without materializing the input.
@@ -232,13 +224,11 @@ def test_a_nan_in_one_shard_skips_on_every_device(layout, axis_type):
   assert not bool(ols.skip_stats(new_state).last_finite)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_the_accelerator_form_of_the_check_adds_no_gathering(
-  axis_type, monkeypatch
-):
-  # On CPU the check lowers to its CPU form; this forces the form that
-  # GPU and TPU run, and compiles it on the CPU mesh.
-  force_the_accelerator_check(monkeypatch)
+def test_the_accelerator_form_of_the_check_adds_no_gathering(axis_type):
+  # Unmarked: the form that GPU and TPU run, compiled on the CPU mesh
+  # (tests/conftest.py).
   for layout in LAYOUTS:
     _, _, out = run_case(layout, axis_type, "sgd_momentum", donate=True)
     (plain_counts, _), (counts, reduced) = (
@@ -250,7 +240,10 @@ def test_the_accelerator_form_of_the_check_adds_no_gathering(
     assert all(dims == () for _, dims in reduced), reduced  # scalars only
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+  "axis_type",
+  [pytest.param(AxisType.Explicit, marks=pytest.mark.slow), AxisType.Auto],
+)
 def test_all_finite_on_a_mesh(axis_type):
   mesh = make_mesh("2d", axis_type)
   with jax.set_mesh(mesh):

@@ -68,6 +68,7 @@ def trained():
   return out
 
 
+@pytest.mark.slow
 def test_scales_in_the_window_match_float32(trained):
   ref = trained["fp32"].eval_loss
   # static 2**10, and dynamic at the defaults (2**15, which never moves in
@@ -80,7 +81,7 @@ def test_scales_in_the_window_match_float32(trained):
     assert r.act_flushed_mean < 0.01, run
 
 
-@pytest.mark.slow  # the `trained` fixture
+@pytest.mark.slow
 def test_the_float32_model_under_autocast_matches_float32(trained):
   ref = trained["fp32"].eval_loss
   r = trained["fp16_autocast"]
@@ -121,6 +122,7 @@ def test_autocast_runs_the_products_the_study_casts_by_hand():
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_below_the_window_plain_float16_flushes_and_falls_behind(trained):
   ref = trained["fp32"].eval_loss
   plain = trained["fp16"]
@@ -134,6 +136,7 @@ def test_below_the_window_plain_float16_flushes_and_falls_behind(trained):
   assert plain.skipped_total == 0
 
 
+@pytest.mark.slow
 def test_above_the_window_every_step_overflows(trained):
   high = trained["static_high"]
   # every step overflows and is skipped, so the parameters never move: the
@@ -143,6 +146,7 @@ def test_above_the_window_every_step_overflows(trained):
   assert high.eval_loss > trained["fp16"].eval_loss + 1.0
 
 
+@pytest.mark.slow
 def test_dynamic_lands_in_the_window_from_below(trained):
   r = trained["dyn_from_low"]
   assert r.growths >= 4
@@ -155,6 +159,7 @@ def test_dynamic_lands_in_the_window_from_below(trained):
   assert r.backoffs == r.skipped_total
 
 
+@pytest.mark.slow
 def test_dynamic_lands_in_the_window_from_above(trained):
   r = trained["dyn_from_high"]
   # it backs off once per overflowing step, straight down to the window,
@@ -168,6 +173,7 @@ def test_dynamic_lands_in_the_window_from_above(trained):
   assert r.final_scale == 2.0**32 / 2.0**r.skipped_total
 
 
+@pytest.mark.slow
 def test_main_job_dynamic_grows_and_backs_off(trained):
   r = trained["fp16_dynamic_g5"]
   # from the default 2**15, growth every 3 finite steps climbs to the
@@ -209,6 +215,7 @@ def _table(text):
   return lines[start : start + 1 + len(runs.MAIN_RUNS)]
 
 
+@pytest.mark.slow
 def test_main_table_columns_line_up(printed):
   header, *rows = _table(printed)
   # Every column right-aligned under its heading: each row is as long as
@@ -220,6 +227,7 @@ def test_main_table_columns_line_up(printed):
       assert row[end - 1] != " ", (header, row)
 
 
+@pytest.mark.slow
 def test_main_job_writes_scales_as_powers_of_two(printed):
   assert not re.search(r"\d\.\d+e\+\d", printed)  # no 1.04858e+06
   _, *rows = _table(printed)
@@ -230,6 +238,7 @@ def test_main_job_writes_scales_as_powers_of_two(printed):
   assert re.fullmatch(r"2\*\*\d+", finals["fp16_dynamic_g5"])
 
 
+@pytest.mark.slow
 def test_main_job_says_activation_before_parameter(printed):
   assert "param / act" not in printed and "(param)" not in printed
   header = _table(printed)[0]
@@ -237,6 +246,7 @@ def test_main_job_says_activation_before_parameter(printed):
   assert "(activation % / parameter %)" in printed
 
 
+@pytest.mark.slow
 def test_main_job_numbers_steps_as_the_skip_report_does(printed, trained):
   assert report.STEP_NUMBERING in printed
   r = trained["fp16_dynamic_g5"]
@@ -248,6 +258,7 @@ def test_main_job_numbers_steps_as_the_skip_report_does(printed, trained):
   assert len(reported) >= 1
 
 
+@pytest.mark.slow
 def test_main_job_ends_with_the_result(printed, trained):
   closing = " ".join(printed.strip().split("\n\n")[-1].split())
   ref, dyn, plain = (trained[n] for n in ("fp32", "fp16_dynamic", "fp16"))
@@ -295,6 +306,7 @@ def _words(text):
   return " ".join(text.split())
 
 
+@pytest.mark.slow
 def test_corrupted_batches_are_the_same_in_every_run(bad_batches):
   corrupted = bad_batches.corrupted
   assert 0 < corrupted.sum() < BAD.steps
@@ -308,6 +320,7 @@ def test_corrupted_batches_are_the_same_in_every_run(bad_batches):
     assert np.isfinite(r.eval_loss), name
 
 
+@pytest.mark.slow
 def test_keras_rule_halves_the_scale_on_each_corrupted_batch(bad_batches):
   r = bad_batches.runs["fp16_dynamic"]
   corrupted = bad_batches.corrupted
@@ -327,6 +340,7 @@ def test_keras_rule_halves_the_scale_on_each_corrupted_batch(bad_batches):
   assert "scale 2**15 -> 2**14" in text
 
 
+@pytest.mark.slow
 def test_held_scale_ignores_corrupted_batches(bad_batches):
   r = bad_batches.runs["fp16_dynamic_hold"]
   n = int(bad_batches.corrupted.sum())
@@ -341,6 +355,7 @@ def test_held_scale_ignores_corrupted_batches(bad_batches):
   assert "scale 2**15 -> 2**15" in text
 
 
+@pytest.mark.slow
 def test_bad_batch_job_prints_reads_back_and_draws(bad_batches, tmp_path):
   text = report.format_bad_batches(bad_batches)
   steps = bad_batches.corrupted_steps
@@ -606,6 +621,7 @@ def test_cpu_float16_dot_accumulates_in_float32():
   assert acc == 2048
 
 
+@pytest.mark.slow
 def test_notebook_executes_and_draws(tmp_path):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")

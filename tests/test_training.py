@@ -27,6 +27,7 @@ def _data(n=64):
   return x, y
 
 
+@pytest.mark.slow
 def test_flax_train_state_trains_in_float16():
   model = MLP()
   x, y = _data()

@@ -1,11 +1,16 @@
-"""Checkpoints of optax_lossscale 0.1.0 restore through `upgrade_state`.
+"""Checkpoints of optax_lossscale 0.1.0 and 0.2.0 restore through
+`upgrade_state`.
 
 tests/fixtures/v010/ holds one 0.1.0 checkpoint (params and the state of
 `loss_scale_optimizer(optax.adam)` after three finite steps and an overflow
 that hysteresis had not yet backed off for) in three formats, written by the
 0.1.0 code (tests/fixtures/make_v010.py), with what 0.1.0 computed for the
-next steps. Each format restores, upgrades, and trains on as 0.1.0 did: the
-scale, its counter and the skip counts carry over exactly.
+next steps. tests/fixtures/v020/ holds one 0.2.0 checkpoint (sgd with
+momentum; hysteresis, per-leaf counts, a bad batch the scale was not blamed
+for, the ring of recent skips) the same way (tests/fixtures/make_v020.py).
+Each format restores, upgrades, and trains on as its release did: the
+scale, its counter and the skip counts carry over exactly, and the 0.2.0
+run's parameters, in exact arithmetic, bit for bit.
 """
 
 import importlib.util
@@ -27,19 +32,20 @@ import optax_lossscale as ols
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 V010 = FIXTURES / "v010"
+V020 = FIXTURES / "v020"
 EXPECTED = json.loads((V010 / "expected.json").read_text())
+EXPECTED_V020 = json.loads((V020 / "expected.json").read_text())
 
 
-def _generator():
-  spec = importlib.util.spec_from_file_location(
-    "make_v010", FIXTURES / "make_v010.py"
-  )
+def _generator(name):
+  spec = importlib.util.spec_from_file_location(name, FIXTURES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-MAKE = _generator()
+MAKE = _generator("make_v010")
+MAKE_V020 = _generator("make_v020")
 
 
 def _tx(**kwargs):
@@ -53,16 +59,16 @@ def _like(tx):
   return {"params": params, "opt_state": tx.init(params)}
 
 
-def _restored(fmt):
+def _restored(fmt, where=V010):
   if fmt == "pickle":
-    with open(V010 / "checkpoint.pkl", "rb") as f:
+    with open(where / "checkpoint.pkl", "rb") as f:
       return pickle.load(f)
   if fmt == "msgpack":
     return serialization.msgpack_restore(
-      (V010 / "checkpoint.msgpack").read_bytes()
+      (where / "checkpoint.msgpack").read_bytes()
     )
   with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(V010 / "orbax")  # no target: plain dicts
+    return checkpointer.restore(where / "orbax")  # no target: plain dicts
 
 
 def _upgraded(fmt, tx):
@@ -196,3 +202,161 @@ def test_a_read_out_of_an_unconverted_pickle_names_upgrade_state():
     old = pickle.load(f)
   with pytest.raises(ValueError, match="upgrade_state"):
     ols.loss_scale(old)
+
+
+# Issue 34, case 5: what a 0.1.0 state cannot know, the report does not say.
+
+
+def test_an_upgraded_v010_state_reports_its_new_counts_since_the_upgrade():
+  tx = _tx(leaf_stats=True)
+  state = ols.upgrade_state(_restored("pickle"), like=_like(tx))["opt_state"]
+  text = " ".join(str(ols.skip_report(state, tx)).split())
+  # 0.1.0 counted one skip, and neither its NaNs nor its leaves.
+  assert "skipped: 1 in total" in text
+  assert "stayed finite" not in text
+  assert "0 with NaN" not in text
+  assert "since step 4" in text
+  assert ols.skip_report(state).diagnosis == (
+    "no step was skipped since step 4, where this state's counts of why"
+    " began (an upgrade from a release that did not count them); 1 step"
+    " skipped before it, for causes the state does not know.",
+  )
+
+
+@pytest.mark.parametrize("steps", [0, True])
+def test_steps_below_the_skips_or_not_an_int_are_refused(steps):
+  with pytest.raises(ValueError, match="`steps` must be"):
+    ols.upgrade_state(_restored("pickle"), steps=steps)
+
+
+# Issue 34, case 23: a `like` that does not fit is refused, not obeyed.
+
+
+def test_a_like_whose_inner_state_differs_is_refused():
+  sgd = ols.loss_scale_optimizer(optax.sgd(0.1), **MAKE.CONFIG)
+  for fmt in ("msgpack", "orbax"):
+    with pytest.raises(ValueError, match=r"inner_state.*\bmu\b"):
+      ols.upgrade_state(_restored(fmt), like=_like(sgd))
+
+
+def test_a_static_like_for_a_dynamic_state_is_refused():
+  static = ols.loss_scale_optimizer(
+    optax.adam(MAKE.LEARNING_RATE), dynamic=False, initial_scale=2.0**10
+  )
+  for fmt in ("msgpack", "orbax"):
+    with pytest.raises(ValueError, match="counter"):
+      ols.upgrade_state(_restored(fmt), like=_like(static))
+
+
+def test_todays_state_as_plain_dicts_reads_without_like():
+  tx = _tx()
+  params = MAKE.params()
+  _, state = MAKE.run(tx, params, tx.init(params), [False, True], 0)
+  raw = serialization.msgpack_restore(serialization.to_bytes(state))
+  read = ols.upgrade_state(raw)
+  assert float(ols.loss_scale(read)) == float(ols.loss_scale(state))
+  assert str(ols.skip_report(read)) == str(ols.skip_report(state))
+
+
+# --- 0.2.0 ---
+
+
+def _v020_like(tx):
+  params = MAKE_V020.params()
+  return {"params": params, "opt_state": tx.init(params)}
+
+
+def _v020_fields(state):
+  """0.2.0's fields of today's state, as make_v020.py writes them: the ring
+  of skips in the order they came (0.2.0 and today lay it out apart)."""
+  fields = MAKE_V020.fields(state)
+  fields["recent_skips"] = _in_order(fields["recent_skips"])
+  return fields
+
+
+def _in_order(ring):
+  """A ring's written skips, by step (their order in 0.2.0, and today)."""
+  kept = sorted(i for i, step in enumerate(ring["step"]) if step >= 0)
+  order = sorted(kept, key=lambda i: ring["step"][i])
+  return {name: [values[i] for i in order] for name, values in ring.items()}
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "msgpack", "orbax"])
+def test_a_v020_checkpoint_upgrades_and_trains_on_as_v020_did(fmt):
+  tx = MAKE_V020.make_tx()
+  restored = _restored(fmt, V020)
+  if fmt == "pickle":  # today's types, the new fields None: no `like`
+    checkpoint = ols.upgrade_state(restored)
+  else:
+    checkpoint = ols.upgrade_state(restored, like=_v020_like(tx))
+  params, state = checkpoint["params"], checkpoint["opt_state"]
+  assert type(state) is ols.LossScaleOptimizerState
+  chex.assert_trees_all_equal_structs(state, tx.init(params))
+  expected = dict(EXPECTED_V020["state"])
+  expected["recent_skips"] = _in_order(expected["recent_skips"])
+  assert _v020_fields(state) == expected
+  for name, value in EXPECTED_V020["params"].items():
+    np.testing.assert_array_equal(params[name], np.float32(value))
+  # What 0.2.0 did not record, the state says it does not know.
+  lss = state.loss_scale_state
+  assert not bool(lss.config.known)
+  assert not np.asarray(lss.recent_skips.recorded).any()
+  assert not bool(lss.nan_steps_exact)  # 1 NaN step of 4 skips
+
+  start = len(MAKE_V020.HISTORY)
+  for n, after in enumerate(EXPECTED_V020["after"], 1):
+    p_n, s_n = MAKE_V020.run(
+      tx, params, state, MAKE_V020.CONTINUATION[:n], start
+    )
+    expected = dict(after["state"])
+    expected["recent_skips"] = _in_order(expected["recent_skips"])
+    assert _v020_fields(s_n) == expected, n
+    for name, value in after["params"].items():
+      np.testing.assert_array_equal(p_n[name], np.float32(value))
+    assert bool(s_n.loss_scale_state.config.known)
+
+
+def test_an_upgraded_v020_state_reports_what_0_2_0_recorded_and_no_more():
+  state = ols.upgrade_state(_restored("pickle", V020))["opt_state"]
+  report = ols.skip_report(state)
+  text = " ".join(str(report).split())
+  assert report.recent == (
+    (2, ("inf",), 2048.0, 2048.0),
+    (4, ("NaN", "loss"), 2048.0, 2048.0),
+    (5, ("inf",), 2048.0, 2048.0),
+    (6, ("inf",), 2048.0, 1024.0),
+  )
+  # No floor, no hysteresis, and no told NaN claimed for 0.2.0's skips.
+  assert report.min_scale is None and "floor not recorded" in text
+  assert "`backoff_on_nonfinite_loss=False` keeps" not in text
+  assert "held by hysteresis" not in text
+  assert "not counted against the scale" not in text
+  assert "step 2: inf or NaN; scale 2**11 -> 2**11" in text
+  assert "checked on a mesh with Auto axes" not in text
+  assert "recorded by an earlier release that did not say where" in text
+  # A tx carrying a configuration is not checked against one not recorded.
+  ols.skip_report(state, MAKE_V020.make_tx())
+
+
+def test_a_v020_pickle_used_as_it_is_names_the_upgrade():
+  checkpoint = _restored("pickle", V020)
+  old = checkpoint["opt_state"]
+  assert type(old) is ols.LossScaleOptimizerState  # loaded, today's type
+  assert old.loss_scale_state.config is None
+  assert float(ols.loss_scale(old)) == EXPECTED_V020["state"]["loss_scale"]
+  grads = jax.tree.map(jnp.ones_like, checkpoint["params"])
+  with pytest.raises(ValueError, match="upgrade_state"):
+    MAKE_V020.make_tx().update(grads, old, checkpoint["params"])
+  with pytest.raises(ValueError, match="upgrade_state"):
+    ols.skip_report(old)
+  # Its dicts, restored without a target, read as the pickle does.
+  raw = _restored("msgpack", V020)
+  assert float(ols.loss_scale(raw)) == EXPECTED_V020["state"]["loss_scale"]
+  assert str(ols.skip_report(ols.upgrade_state(raw))) == str(
+    ols.skip_report(ols.upgrade_state(checkpoint))
+  )
+
+
+def test_steps_is_for_v010_only():
+  with pytest.raises(ValueError, match="`steps` must be None for a state of"):
+    ols.upgrade_state(_restored("pickle", V020), steps=8)

@@ -134,6 +134,40 @@ def test_config_survives_replace_copy_and_pickle():
   assert pickle.loads(pickle.dumps(config)) == config
 
 
+def test_config_travels_in_update_not_in_an_instance_dict():
+  # Issue 35, point 4: the configuration is `update`'s; it survives what
+  # rebuilds the pair, and nothing is kept beside the two fields.
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1), min_scale=2.0, hysteresis=3)
+  config = tx.loss_scale_config
+  for other in (
+    jax.tree.map(lambda x: x, tx),
+    copy.copy(tx),
+    copy.deepcopy(tx),
+    tx._replace(init=tx.init),
+    type(tx)(*tx),
+  ):
+    assert type(other) is ols.LossScaledTransformation
+    assert other.loss_scale_config == config and other.skips_inner
+    assert vars(other) == {}
+  assert vars(tx) == {}
+  assert not ols.unscale_and_check().skips_inner
+  # It is still optax's pair, and `update` still takes the extra args.
+  init, update = tx
+  state = init(PARAMS)
+  update(GRADS, state, PARAMS, value=jnp.float32(1.0))
+
+
+def test_the_transformation_says_it_does_not_pickle():
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1))
+  with pytest.raises(TypeError, match="does not pickle: its `init` and"):
+    pickle.dumps(tx)
+  with pytest.raises(TypeError, match=r"`tx\.loss_scale_config`"):
+    pickle.dumps(ols.unscale_and_check())
+  assert pickle.loads(pickle.dumps(tx.loss_scale_config)) == (
+    tx.loss_scale_config
+  )
+
+
 def test_config_is_gone_with_a_replaced_update():
   tx = ols.loss_scale_optimizer(optax.sgd(0.1))
   other = tx._replace(update=optax.sgd(0.1).update)
@@ -240,7 +274,10 @@ def test_a_subnormal_value_is_refused(value):
 
 
 def test_a_traced_subnormal_value_keeps_the_scale():
-  tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=8.0)
+  # The floor as low as a scale goes: the smallest normal float32.
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.5), initial_scale=8.0, min_scale=np.finfo(np.float32).tiny
+  )
   state = tx.init(PARAMS)
   for value in (np.float32(2.0**-127), np.float32(2.0**-149)):
     new = jax.jit(ols.set_loss_scale)(state, value)

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 
 from optax_lossscale._access import nnx as _nnx
 from optax_lossscale._core.state import (
+  CountedSince,
   LeafCounts,
   LossScaleState,
+  RecordedConfig,
   SkipEvents,
   check_scalar_state,
   is_placeholder,
@@ -23,8 +25,10 @@ from optax_lossscale._core.state import (
 
 _FIELDS = frozenset(LossScaleState._fields)
 # `nnx.state` drops a None field: a static state has no `counter` there, and
-# one without leaf statistics no `leaf_notfinite`.
-_REQUIRED_FIELDS = _FIELDS - {"counter", "leaf_notfinite"}
+# one without leaf statistics no `leaf_notfinite`. A state of 0.2.0 (plain
+# dicts of one, restored without a target) lacks the fields added since.
+_ADDED_SINCE_0_2_0 = frozenset({"config", "counted_since", "nan_steps_exact"})
+_REQUIRED_FIELDS = _FIELDS - {"counter", "leaf_notfinite"} - _ADDED_SINCE_0_2_0
 
 ACCEPTED = (
   "the state of an optimizer built with `loss_scale_optimizer` or"
@@ -105,15 +109,60 @@ def find_node(opt_state: Any) -> Node:
 
 def read(opt_state: Any) -> LossScaleState:
   """The loss-scale state as plain arrays, possibly stacked (any shape)."""
-  node = find_node(opt_state)
+  return typed(find_node(opt_state))
+
+
+def typed(node: Node) -> LossScaleState:
+  """A node as a `LossScaleState` of arrays, its parts typed (a mapping of
+  fields, from `nnx.state` or a restore without a target, included);
+  fields a node lacks (a state of 0.2.0) are None."""
   state = LossScaleState._make(
     _as_arrays(field(node, name)) for name in LossScaleState._fields
   )
-  if isinstance(state.recent_skips, Mapping):  # `nnx.state` output
-    state = state._replace(recent_skips=SkipEvents(**state.recent_skips))
-  if isinstance(state.leaf_notfinite, Mapping):
-    state = state._replace(leaf_notfinite=LeafCounts(**state.leaf_notfinite))
+  parts = {
+    "recent_skips": SkipEvents,
+    "leaf_notfinite": LeafCounts,
+    "config": RecordedConfig,
+    "counted_since": CountedSince,
+  }
+  state = state._replace(
+    **{
+      name: kind(**getattr(state, name))
+      for name, kind in parts.items()
+      if isinstance(getattr(state, name), Mapping)
+    }
+  )
+  if state.leaf_notfinite is not None:
+    state = state._replace(
+      leaf_notfinite=with_placeholders(state.leaf_notfinite)
+    )
   return state
+
+
+def with_placeholders(counts: LeafCounts) -> LeafCounts:
+  """`counts` with each leaf's placeholder `()`, where a restore without a
+  target gave `{}` for it (`flax.serialization.msgpack_restore`): an empty
+  mapping stands for a leaf when, and only when, the count of empty
+  mappings is the count of leaves (an empty subtree of the params also
+  restores as `{}`; where both are there, the names are not restored)."""
+  structure = counts.structure
+  n = jnp.shape(counts.counts)[-1]
+  if len(jax.tree.leaves(structure, is_leaf=is_placeholder)) == n:
+    return counts
+  empty = jax.tree.leaves(structure, is_leaf=_is_empty_mapping)
+  if sum(_is_empty_mapping(x) for x in empty) != n:
+    return counts  # `leaf_counts_tree` says what does not fit
+  return counts._replace(
+    structure=jax.tree.map(
+      lambda x: () if _is_empty_mapping(x) else x,
+      structure,
+      is_leaf=_is_empty_mapping,
+    )
+  )
+
+
+def _is_empty_mapping(x: Any) -> bool:
+  return isinstance(x, Mapping) and not x
 
 
 def _as_arrays(value: Any) -> Any:

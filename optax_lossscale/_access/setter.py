@@ -22,9 +22,10 @@ def _is_concrete(x: Any) -> bool:
 
 
 def _check_value(
-  value: jax.typing.ArrayLike, old: jax.Array, static: bool
+  value: jax.typing.ArrayLike, old: jax.Array, floor: jax.Array | None
 ) -> None:
-  """Refuses a concrete `value` that is not a usable scale for this state."""
+  """Refuses a concrete `value` that is not a usable scale for this state:
+  `floor` is the lowest a dynamic one takes, None for a static one."""
   _check_type(value)
   if jnp.shape(value) not in ((), old.shape):
     raise ValueError(
@@ -42,18 +43,36 @@ def _check_value(
     raise ValueError(
       f"`value` must be a loss scale that is {NORMAL_FLOAT32}, got {value!r}."
     )
-  if (
-    static
-    and np.any(as_f32 < 1)
-    and _is_concrete(old)
-    and bool(jnp.all(old >= 1))
-  ):
+  if floor is not None:
+    if _is_concrete(floor) and np.any(as_f32 < np.asarray(floor)):
+      raise ValueError(
+        "`value` must be at least the floor of this dynamic loss scale"
+        f" (its `min_scale` as the state recorded it, or 1 where it has not"
+        f" recorded one yet: {_describe(floor)}), got {value!r}: the rule"
+        " never takes the scale below its floor, and the step's finiteness"
+        " check may rely on it."
+      )
+    return
+  if np.any(as_f32 < 1) and _is_concrete(old) and bool(jnp.all(old >= 1)):
     raise ValueError(
       f"`value` must be >= 1 for this static loss scale (dynamic=False,"
       f" now {_describe(old)}), got {value!r}: its finiteness check"
       " relies on a scale of at least 1, so every step would be skipped,"
       " and a static scale never changes by itself."
     )
+
+
+def _floor_of(state: Any) -> jax.Array | None:
+  """The lowest scale a dynamic state takes: its recorded `min_scale`, or
+  1 where it records none (an upgraded state, not updated since: a scale
+  of at least 1 suits every check); None for a static state."""
+  if state.counter is None:
+    return None
+  config = state.config
+  one = jnp.ones_like(jnp.asarray(state.loss_scale, SCALE_DTYPE))
+  if config is None:
+    return one
+  return jnp.where(config.known, config.min_scale, one)
 
 
 def _check_type(value: Any) -> None:
@@ -75,8 +94,9 @@ def _check_type(value: Any) -> None:
     )
 
 
-def _describe(old: jax.Array) -> str:
-  return f"{float(old)}" if old.shape == () else f"shape {old.shape}"
+def _describe(x: jax.Array) -> str:
+  x = jnp.asarray(x)
+  return f"{float(x)}" if x.shape == () else f"shape {x.shape}"
 
 
 # Whatever state comes in, the same kind goes out.
@@ -88,19 +108,20 @@ def set_loss_scale(
 ) -> OptState:
   """Sets the loss scale to `value`, for checkpoint surgery or a restart.
 
-  The counters are left as they are. Choose the value within the
-  optimizer's ``[min_scale, max_scale]``: the rule does not clip a value
-  set by hand, so below ``min_scale`` the next backoff raises it to
-  ``min_scale``, and a value below 1 under a ``min_scale >= 1`` counts as an
-  overflow (the step is skipped and backoff brings the scale back to
-  ``min_scale``), because the finiteness check there relies on a scale of
-  at least 1. A static scale never backs off, so there a value below 1 is
-  refused (unless the static scale is below 1 already).
+  The counters are left as they are. A dynamic scale takes a value from
+  its floor up: below ``min_scale`` (as the state records it, from its
+  last update; 1 where it records none yet, in a state upgraded and not
+  updated since) is refused, since the rule never takes the scale there
+  and the finiteness check of a ``min_scale >= 1`` relies on a scale of at
+  least 1. Above ``max_scale`` is accepted: growth stops there, and
+  backoff brings the scale down. A static scale never backs off, so there
+  a value below 1 is refused (unless the static scale is below 1
+  already).
 
   A concrete value that is refused raises; a traced one (under ``jit``)
   that would be refused (not finite, below the smallest normal float32
-  ``2**-126``, or below 1 for a static scale >= 1) leaves the scale as it
-  was.
+  ``2**-126``, below the floor of a dynamic scale, or below 1 for a static
+  scale >= 1) leaves the scale as it was.
 
   NNX: where the scale sits in an NNX Variable (an ``nnx.Optimizer``, its
   ``opt_state``, ``nnx.state``/``nnx.split`` output), the Variable is set in
@@ -121,8 +142,8 @@ def set_loss_scale(
     TypeError: for a value that is not a real number or an array of floats
       or ints (a bool or a str, say).
     ValueError: for a concrete value that is not a finite float32 of at
-      least ``2**-126`` (the smallest normal one), or below 1 for a static
-      scale of at least 1.
+      least ``2**-126`` (the smallest normal one), below the floor of a
+      dynamic scale, or below 1 for a static scale of at least 1.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -134,8 +155,8 @@ def set_loss_scale(
   node = _locate.find_node(opt_state)
   held = _locate.field(node, "loss_scale")
   old = jnp.asarray(_nnx.unwrap(held))
-  static = _locate.field(node, "counter") is None
-  _check_value(value, old, static)
+  floor = _floor_of(_locate.typed(node))
+  _check_value(value, old, floor)
   new = jnp.broadcast_to(jnp.asarray(value, SCALE_DTYPE), old.shape)
   # What a concrete value was checked for, for a traced one (and for a
   # traced old scale): a refused value keeps the old scale. Without it, a
@@ -143,8 +164,10 @@ def set_loss_scale(
   # Not `new > 0`: a subnormal is > 0 in the comparison, and 0 once XLA on
   # CPU flushes it in arithmetic.
   usable = jnp.isfinite(new) & (new >= FLOAT32_TINY)
-  if static:
+  if floor is None:
     usable &= (new >= 1) | (old < 1)
+  else:
+    usable &= new >= floor
   new = jnp.where(usable, new, old.astype(SCALE_DTYPE))
 
   if _nnx.is_variable(held):

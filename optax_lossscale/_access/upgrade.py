@@ -1,10 +1,8 @@
-"""Today's state from a checkpoint of an earlier release.
-
-0.1.0's `LossScaleState` had five fields, two of them under other names
-(`notfinite_count`, `total_notfinite`); today's has eleven. `upgrade_state`
-takes an old state as a restore gives it (0.1.0's own types, from a pickle;
-or the plain nested dicts and lists of `flax.serialization.msgpack_restore`
-and of an orbax restore without a target) and returns today's.
+"""Today's state from a checkpoint of an earlier release (0.1.0, 0.2.0):
+`upgrade_state` takes an old state as a restore gives it (its own types,
+from a pickle; or the plain nested dicts and lists of
+`flax.serialization.msgpack_restore` and of an orbax restore without a
+target) and returns today's (`releases` converts each loss-scale state).
 """
 
 from collections.abc import Mapping, Sequence
@@ -14,20 +12,11 @@ import jax
 import jax.numpy as jnp
 
 import optax_lossscale._state as _v010
+from optax_lossscale._access import releases as _releases
 from optax_lossscale._core.state import (
-  COUNTER_DTYPE,
-  SCALE_DTYPE,
   LossScaleOptimizerState,
   LossScaleState,
-  init_loss_scale_state,
 )
-
-# 0.1.0's counters, by today's names.
-_RENAMED = {
-  "skipped_in_a_row": "notfinite_count",
-  "total_skipped": "total_notfinite",
-}
-_INT32_MAX = 2**31 - 1
 
 
 def upgrade_state(
@@ -35,45 +24,64 @@ def upgrade_state(
 ) -> Any:
   """Today's optimizer state from one that an earlier release saved.
 
-  Restores a checkpoint of optax_lossscale 0.1.0 (and passes today's state
-  through unchanged). ``state`` is what the restore returned:
+  Restores a checkpoint of optax_lossscale 0.1.0 or 0.2.0 (and passes
+  today's state through unchanged). ``state`` is what the restore
+  returned:
 
-  - from a pickle: the state itself, of 0.1.0's types (pickles name them at
-    ``optax_lossscale._state``, where they still load);
+  - from a pickle: the state itself, of the release's own types (0.1.0's
+    load from ``optax_lossscale._state``; 0.2.0's are today's types, whose
+    fields added since load as None);
   - from ``flax.serialization.msgpack_restore`` (bytes ``to_bytes`` wrote),
     or from an orbax restore without a target: nested dicts and lists, whose
     structure ``like`` then gives.
 
   ``like`` is today's state of the same optimizer (``tx.init(params)``, or
   ``jax.eval_shape`` of it): the result takes its structure, dtypes and,
-  where its leaves are arrays, placement. It is needed for plain dicts, and
-  where the optimizer counts non-finite steps per leaf (``leaf_stats``):
-  those counts start at zero.
+  where its leaves are arrays, placement. It is needed for the plain dicts
+  of a 0.1.0 state, and where the optimizer counts non-finite steps per
+  leaf (``leaf_stats``) while 0.1.0 did not: those counts start at zero.
+  Without it, the plain dicts of a 0.2.0 state or of today's become
+  today's loss-scale state (which the read-outs and :func:`skip_report`
+  read), the rest of the tree as it was restored.
 
-  The fields 0.1.0 had keep their values: the scale, its counter, the skips
-  in a row and in total, whether the last step was applied. Of the new
-  ones, ``overflows_in_a_row`` (the count that hysteresis compares) is the
-  skips in a row, as 0.1.0 counted them for hysteresis; ``nan_steps`` and
-  ``nonfinite_loss_steps`` (which 0.1.0 did not tell apart) start at zero,
-  and ``recent_skips`` empty. ``steps`` (the steps seen, which 0.1.0 did not
-  count) is the given number, else the inner state's step count (optax's
-  ``count`` fields, which skipped steps leave) plus the skipped steps, else,
-  where the inner state keeps no count, the skipped steps alone.
+  What the old state recorded keeps its value; what it did not, today's
+  state says it does not know, and :func:`skip_report` says less:
+
+  - 0.1.0: the scale, its counter, the skips in a row and in total, and
+    whether the last step was applied carry over; ``overflows_in_a_row``
+    (hysteresis's count) is the skips in a row, as 0.1.0 counted them. NaN
+    steps, non-finite losses, per-leaf counts and recent skips count from
+    the upgrade on (``counted_since``). ``steps`` (which 0.1.0 did not
+    count) is the given number, else the inner state's step count (optax's
+    ``count`` fields, which skipped steps leave) plus the skipped steps;
+    where neither tells, it must be given.
+  - 0.2.0: every field carries over; the skips it kept are marked as
+    recorded by 0.2.0 (``recorded`` False: no floor or hysteresis claimed),
+    and ``nan_steps`` counts as exact only where every skip had a NaN (0.2.0
+    did not record where its checks ran).
+  - Both: the configuration (``config``) is unknown until the next
+    ``update`` records it.
 
   Args:
     state: the restored optimizer state (or a tree holding it, such as a
       dict of params and optimizer state).
     like: today's state of the same optimizer, or of the same tree; needed
-      for plain dicts.
-    steps: the steps the old state has seen, where known.
+      for the plain dicts of a 0.1.0 state.
+    steps: the steps a 0.1.0 state has seen (at least its skipped steps),
+      where its inner state keeps no count; None for a later release's.
 
   Returns:
     Today's state: with ``like``, of its structure.
 
   Raises:
-    TypeError: for a plain dict without ``like``.
-    ValueError: where ``state`` holds no loss-scale state, or a part that
-      ``like`` has is missing from it (the error names the path).
+    TypeError: for the plain dicts of a 0.1.0 state without ``like``.
+    ValueError: where ``state`` holds no loss-scale state; where it holds a
+      part that ``like`` lacks (it would be dropped), or lacks one that
+      ``like`` has, or a loss-scale state of another kind (static against
+      dynamic, per-leaf counts against none) (the error names the path);
+      for a ``steps`` that is not an int, is below the skipped steps, or is
+      given for a state that counts its own; where a 0.1.0 state's steps
+      cannot be told and ``steps`` is not given.
 
   Examples:
 
@@ -95,53 +103,64 @@ def upgrade_state(
     ...   state.loss_scale_state.steps)
     (2, 42)
   """
-  if steps is not None and not (
-    isinstance(steps, int) and 0 <= steps <= _INT32_MAX
-  ):
-    raise ValueError(
-      f"`steps` must be None or an int in [0, 2**31 - 1], got {steps!r}."
-    )
+  _check_steps(steps)
   if like is None:
-    return _upgrade_typed(state, steps)
+    return _upgrade_alone(state, steps)
   return _fill(state, like, steps)
 
 
-def _is_old_node(x: Any) -> bool:
-  """Whether `x` is a loss-scale state of 0.1.0, typed or as a dict."""
-  if isinstance(x, _v010.LossScaleState):
-    return True
-  return isinstance(x, Mapping) and set(x) == set(_v010.LossScaleState._fields)
+def _check_steps(steps: Any) -> None:
+  if steps is not None and not (
+    isinstance(steps, int)
+    and not isinstance(steps, bool)
+    and 0 <= steps <= _releases.INT32_MAX
+  ):
+    raise ValueError(
+      "`steps` must be None or an int in [0, 2**31 - 1] (the steps the old"
+      f" run had seen), got {steps!r}."
+    )
 
 
-def _upgrade_typed(state: Any, steps: int | None) -> Any:
-  """`state` with each of 0.1.0's typed states replaced by today's."""
+def _upgrade_alone(state: Any, steps: int | None) -> Any:
+  """`state` with each loss-scale state of an earlier release (and of
+  today's, restored as dicts) made today's, typed."""
 
   def is_leaf(x: Any) -> bool:
-    return isinstance(x, _v010.LossScaleOptimizerState) or _is_old_node(x)
+    return (
+      isinstance(x, _v010.LossScaleOptimizerState)
+      or _releases.release_of(x) is not None
+    )
 
   found: list[Any] = []
 
   def upgrade(x: Any) -> Any:
     if isinstance(x, _v010.LossScaleOptimizerState):
       found.append(x)
+      old = x.loss_scale_state
       return LossScaleOptimizerState(
-        _upgraded(x.loss_scale_state, None, _steps(state, x, steps)),
+        _releases.from_v010(old, None, _v010_steps(state, old, steps)),
         x.inner_state,
       )
-    if isinstance(x, _v010.LossScaleState):
-      found.append(x)
-      return _upgraded(x, None, _steps(state, x, steps))
-    if _is_old_node(x):
-      raise TypeError(
-        "`like` must be given for a state restored as plain dicts (by"
-        " `flax.serialization.msgpack_restore`, or an orbax restore without"
-        " a target): today's state of the same optimizer, such as"
-        " `tx.init(params)`, got None."
-      )
-    return x
+    release = _releases.release_of(x)
+    if release is None:
+      return x
+    found.append(x)
+    if release == "0.1.0":
+      if isinstance(x, Mapping):
+        raise TypeError(
+          "`like` must be given for a state of 0.1.0 restored as plain dicts"
+          " (by `flax.serialization.msgpack_restore`, or an orbax restore"
+          " without a target): today's state of the same optimizer, such as"
+          " `tx.init(params)`, got None."
+        )
+      return _releases.from_v010(x, None, _v010_steps(state, x, steps))
+    _refuse_steps_for(release, steps)
+    if release == "0.2.0":
+      return _releases.from_v020(x)
+    return _releases.today(x)
 
   upgraded = jax.tree.map(upgrade, state, is_leaf=is_leaf)
-  if not found and not _holds_today(state):
+  if not found:
     raise ValueError(
       "`state` holds no loss-scale state of optax_lossscale, got"
       f" {type(state).__name__}. Pass the restored optimizer state (or a"
@@ -150,83 +169,59 @@ def _upgrade_typed(state: Any, steps: int | None) -> Any:
   return upgraded
 
 
-def _holds_today(x: Any) -> bool:
-  leaves = jax.tree.leaves(x, is_leaf=lambda y: isinstance(y, LossScaleState))
-  return any(isinstance(leaf, LossScaleState) for leaf in leaves)
-
-
-def _field(node: Any, name: str) -> Any:
-  if isinstance(node, Mapping):
-    return node[name]
-  return getattr(node, name)
-
-
-def _upgraded(
-  old: Any, like: LossScaleState | None, steps: int
-) -> LossScaleState:
-  """Today's `LossScaleState` from 0.1.0's `old` (typed or a dict)."""
-  counter = _field(old, "counter")
-  leaf_notfinite = None if like is None else like.leaf_notfinite
-  if leaf_notfinite is not None:  # counted from zero
-    leaf_notfinite = leaf_notfinite._replace(
-      counts=jnp.zeros_like(leaf_notfinite.counts)
+def _refuse_steps_for(release: str, steps: int | None) -> None:
+  if steps is not None:
+    raise ValueError(
+      f"`steps` must be None for a state of {release}, which counts its own"
+      f" steps; got {steps!r}. `steps` is for a state of 0.1.0."
     )
-  fresh = init_loss_scale_state(
-    1.0, dynamic=counter is not None, leaf_notfinite=leaf_notfinite
-  )
-  in_a_row = jnp.asarray(
-    _field(old, _RENAMED["skipped_in_a_row"]), COUNTER_DTYPE
-  )
-  return fresh._replace(
-    loss_scale=jnp.asarray(_field(old, "loss_scale"), SCALE_DTYPE),
-    counter=None if counter is None else jnp.asarray(counter, COUNTER_DTYPE),
-    skipped_in_a_row=in_a_row,
-    total_skipped=jnp.asarray(
-      _field(old, _RENAMED["total_skipped"]), COUNTER_DTYPE
-    ),
-    last_finite=jnp.asarray(_field(old, "last_finite"), jnp.bool_),
-    # 0.1.0's hysteresis counted every skip in a row, and each was an
-    # overflow of the gradients (it checked nothing else).
-    overflows_in_a_row=in_a_row,
-    steps=jnp.asarray(steps, COUNTER_DTYPE),
-  )
 
 
-def _steps(whole: Any, old: Any, given: int | None) -> int:
-  """The steps the typed 0.1.0 state `old` (in `whole`) has seen."""
-  if given is not None:
-    return given
-  if isinstance(old, _v010.LossScaleOptimizerState):
-    old = old.loss_scale_state
+def _v010_steps(whole: Any, old: Any, given: int | None) -> int:
+  """The steps the 0.1.0 state `old` (in `whole`) has seen."""
   counts = [
     leaf
     for path, leaf in jax.tree_util.tree_flatten_with_path(whole)[0]
     if _is_count(path)
   ]
-  return _steps_from(counts, int(_field(old, "total_notfinite")))
+  return _steps_from(counts, _releases.skipped_of_v010(old), given)
 
 
 def _is_count(path: Sequence[Any]) -> bool:
   """Whether `path` ends in a field `count` (optax's step counts)."""
-  return (
-    len(path) > 0
-    and isinstance(path[-1], jax.tree_util.GetAttrKey)
-    and path[-1].name == "count"
-  )
+  return len(path) > 0 and _key(path[-1]) == "count"
 
 
-def _steps_from(counts: list[Any], skipped: int) -> int:
-  """The inner state's applied steps (its counts, where they agree) plus
-  the skipped ones; the skipped ones alone where no count tells."""
+def _steps_from(counts: list[Any], skipped: int, given: int | None) -> int:
+  """The steps a 0.1.0 state has seen: `given`, else the inner state's
+  applied steps (its counts, where they agree) plus the skipped ones.
+  Where neither tells, `steps` must be given: no default is filled in."""
+  if given is not None:
+    if given < skipped:
+      raise ValueError(
+        f"`steps` must be at least the steps the old state skipped"
+        f" ({skipped}), got {given}."
+      )
+    return given
   applied = {int(c) for c in counts if c is not None and jnp.ndim(c) == 0}
   if len(applied) != 1:
-    return skipped
-  return min(applied.pop() + skipped, _INT32_MAX)
+    found = (
+      f"step counts that disagree ({sorted(applied)})"
+      if applied
+      else "no step count (optax's `count`)"
+    )
+    raise ValueError(
+      "`steps` must be given for this state of 0.1.0 (the steps its run had"
+      " seen, as the training loop counts them): 0.1.0 did not count them,"
+      f" and the inner state holds {found} to tell."
+    )
+  return min(applied.pop() + skipped, _releases.INT32_MAX)
 
 
 def _fill(state: Any, like: Any, steps: int | None) -> Any:
-  """`like`'s structure, with the values `state` holds at each path (0.1.0's
-  loss-scale states upgraded)."""
+  """`like`'s structure, with the values `state` holds at each path (each
+  loss-scale state made today's); refused where `state` holds what `like`
+  has no place for, or a loss-scale state `like` contradicts."""
 
   def is_today(x: Any) -> bool:
     return isinstance(x, LossScaleState)
@@ -238,17 +233,101 @@ def _fill(state: Any, like: Any, steps: int | None) -> Any:
       " (such as `tx.init(params)`): it holds no LossScaleState, got"
       f" {type(like).__name__}."
     )
-  counts = [_at(state, path) for path, leaf in flat if _is_count(path)]
+  values = [_at(state, path) for path, _ in flat]  # nothing missing
+  _refuse_leftovers(state, flat)  # nothing left over
+  pairs = zip(flat, values, strict=True)
+  counts = [v for (path, _), v in pairs if _is_count(path)]
   filled = []
-  for path, leaf in flat:
-    value = _at(state, path)
-    if is_today(leaf) and _is_old_node(value):
-      given = steps
-      if given is None:
-        given = _steps_from(counts, int(_field(value, "total_notfinite")))
-      value = _upgraded(value, leaf, given)
+  for (path, leaf), value in zip(flat, values, strict=True):
+    if is_today(leaf):
+      value = _node_like(value, leaf, path, counts, steps)
     filled.append(_like(value, leaf, path))
   return jax.tree_util.tree_unflatten(structure, filled)
+
+
+def _node_like(
+  value: Any,
+  like: LossScaleState,
+  path: Sequence[Any],
+  counts: list[Any],
+  steps: int | None,
+) -> LossScaleState:
+  """The restored loss-scale state at `path`, today's, as `like` has it."""
+  release = _releases.release_of(value)
+  where = jax.tree_util.keystr(tuple(path))
+  if release is None:
+    raise ValueError(
+      f"The restored state has no loss-scale state at {where}, where `like`"
+      " has one: `like` must be today's state of the optimizer that saved"
+      " it."
+    )
+  if release == "0.1.0":
+    skipped = _releases.skipped_of_v010(value)
+    node = _releases.from_v010(
+      value, like.leaf_notfinite, _steps_from(counts, skipped, steps)
+    )
+  else:
+    _refuse_steps_for(release, steps)
+    node = (
+      _releases.from_v020(value)
+      if release == "0.2.0"
+      else _releases.today(value)
+    )
+    if (node.leaf_notfinite is None) != (like.leaf_notfinite is None):
+      counted = node.leaf_notfinite is not None
+      raise ValueError(
+        f"The restored loss-scale state at {where}"
+        f" {'holds' if counted else 'holds no'} per-leaf counts, and"
+        f" `like`'s {'does not' if counted else 'does'}: `like` must be"
+        " today's state of the optimizer that saved it (the same"
+        " `leaf_stats`)."
+      )
+  if (node.counter is None) != (like.counter is None):
+    made = (
+      "static (no `counter`)"
+      if node.counter is None
+      else "dynamic (it has a `counter`)"
+    )
+    given = "dynamic" if node.counter is None else "static"
+    raise ValueError(
+      f"The restored loss-scale state at {where} is {made}, and `like`'s is"
+      f" {given}: `like` must be today's state of the optimizer that saved"
+      " it (the same `dynamic`)."
+    )
+  return node
+
+
+def _refuse_leftovers(state: Any, like_flat: list[Any]) -> None:
+  """Refuses a restored state that holds values `like` has no place for
+  (an adam state under an sgd `like`): they would be dropped silently."""
+  wanted = {tuple(_key(k) for k in path) for path, _ in like_flat}
+
+  restored = jax.tree_util.tree_flatten_with_path(
+    state, is_leaf=lambda x: _releases.release_of(x) is not None
+  )[0]
+  extra = [
+    jax.tree_util.keystr(tuple(path))
+    for path, _ in restored
+    if tuple(_key(k) for k in path) not in wanted
+  ]
+  if extra:
+    shown = ", ".join(extra[:4]) + (
+      f" and {len(extra) - 4} more" if len(extra) > 4 else ""
+    )
+    raise ValueError(
+      f"The restored state holds {shown}, where `like` has nothing: `like`"
+      " must be today's state of the optimizer (and the tree) that saved"
+      " it, or these would be dropped."
+    )
+
+
+def _key(key: Any) -> str:
+  """A path entry as a name, the same for a field, a dict key and an
+  index (flax and orbax restore a tuple as a dict or a list)."""
+  for attribute in ("name", "key", "idx"):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
 
 
 def _at(node: Any, path: Sequence[Any]) -> Any:

@@ -4,7 +4,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias
 
 import numpy as np
 from jax import errors as jax_errors
@@ -76,61 +76,6 @@ class LossScaleConfig:
   axis_name: AxisName
   leaf_stats: bool = False
   backoff_on_nonfinite_loss: bool = True
-
-
-# The Args text of the eleven parameters that `unscale_and_check` and
-# `loss_scale_optimizer` share, written once: `shares_the_args` puts it in
-# both docstrings, where they say `{shared_args}`.
-SHARED_ARGS = """\
-dynamic: whether the scale adapts (``True``) or stays fixed.
-initial_scale: the starting scale, a normal float32 (at least
-  ``2**-126``); ``2**15`` when dynamic, required when static.
-dynamic_growth_steps: consecutive finite steps before the scale grows
-  (default 2000); must be ``None`` when static.
-growth_factor: multiplier on growth, ``> 1``.
-backoff_factor: multiplier on backoff, in ``(0, 1)``.
-min_scale: the floor the dynamic scale never goes below (default 1);
-  not used when static.
-max_scale: the ceiling growth never exceeds (default: float32 max);
-  not used when static.
-hysteresis: non-finite steps in a row before the scale backs off
-  (any finite step refills the tolerance, as DeepSpeed's
-  ``consecutive_hysteresis=True``); every non-finite step is skipped
-  regardless.
-axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
-  which one boolean is reduced, so that every replica skips together.
-  Not needed under ``jit`` with shardings.
-leaf_stats: whether to count, per gradient leaf, the steps on which it
-  was not finite (read with :func:`nonfinite_leaves`). A state keeps the
-  choice it was made with: ``update`` refuses a state whose ``leaf_stats``
-  differs from the transformation's.
-backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
-  finite backs the scale off, as an overflow does (the default, as
-  Keras). Such a step is skipped and counted either way; with ``False``
-  the scale, its counter and hysteresis stay as they were: a bad batch
-  or a forward overflow is not the scale's fault, and lowering the scale
-  cannot help it."""
-
-_Function = TypeVar("_Function", bound=Callable[..., Any])
-
-
-def shares_the_args(fn: _Function) -> _Function:
-  """Writes `SHARED_ARGS` into `fn`'s docstring in place of the line that
-  says `{shared_args}`, at that line's indentation."""
-  doc = fn.__doc__ or ""
-  lines = []
-  for line in doc.splitlines():
-    if line.strip() != "{shared_args}":
-      lines.append(line)
-      continue
-    indent = line[: len(line) - len(line.lstrip())]
-    lines += [
-      indent + text if text else text for text in SHARED_ARGS.splitlines()
-    ]
-  if len(lines) == len(doc.splitlines()):
-    raise AssertionError(f"{fn.__name__}'s docstring has no {{shared_args}}")
-  fn.__doc__ = "\n".join(lines) + ("\n" if doc.endswith("\n") else "")
-  return fn
 
 
 def as_real_scalar(value: Any) -> float | None:

@@ -203,12 +203,12 @@ def to_keras_config(tx: LossScaledTransformation) -> dict[str, Any]:
     >>> ols.to_keras_config(ols.loss_scale_optimizer(optax.adam(1e-3)))
     {'dynamic': True, 'initial_scale': 32768.0, 'dynamic_growth_steps': 2000}
   """
-  c = (
-    getattr(tx, "loss_scale_config", None)
-    if isinstance(tx, LossScaledTransformation)
-    and tx.__dict__.get("_skips_inner")
-    else None
-  )
+  c = None
+  if isinstance(tx, LossScaledTransformation):
+    try:
+      c = tx.loss_scale_config if tx.skips_inner else None
+    except AttributeError:  # its `update` was replaced
+      c = None
   if c is None:
     raise TypeError(
       "`tx` must be made by `loss_scale_optimizer` (with its `update`"

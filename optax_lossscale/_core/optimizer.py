@@ -20,6 +20,7 @@ from optax_lossscale._core.state import (
   LossScaleState,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
+from optax_lossscale._jaxpr import zeros as _zeros
 
 # What `inner` accepts: an optax transformation, or an `optax.MultiSteps`.
 Inner: TypeAlias = optax.GradientTransformation | optax.MultiSteps
@@ -85,7 +86,6 @@ def _refuse_nested_loss_scaling(inner_state: Any) -> None:
     )
 
 
-@_config.shares_the_args
 def loss_scale_optimizer(
   inner: Inner,
   dynamic: bool = True,
@@ -145,7 +145,35 @@ def loss_scale_optimizer(
     inner: the optax transformation to wrap (``optax.MultiSteps`` objects
       included). Put gradient clipping inside it, so that it sees unscaled,
       finite gradients.
-    {shared_args}
+    dynamic: whether the scale adapts (``True``) or stays fixed.
+    initial_scale: the starting scale, a normal float32 (at least
+      ``2**-126``); ``2**15`` when dynamic, required when static.
+    dynamic_growth_steps: consecutive finite steps before the scale grows
+      (default 2000); must be ``None`` when static.
+    growth_factor: multiplier on growth, ``> 1``.
+    backoff_factor: multiplier on backoff, in ``(0, 1)``.
+    min_scale: the floor the dynamic scale never goes below (default 1);
+      not used when static.
+    max_scale: the ceiling growth never exceeds (default: float32 max);
+      not used when static.
+    hysteresis: skips counted against the scale, with no step applied
+      between, before it backs off (an applied step refills the tolerance,
+      as DeepSpeed's ``consecutive_hysteresis=True``; a non-finite loss
+      that ``backoff_on_nonfinite_loss=False`` leaves uncounted neither
+      counts nor refills it); every non-finite step is skipped regardless.
+    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
+      which one boolean is reduced, so that every replica skips together.
+      Not needed under ``jit`` with shardings.
+    leaf_stats: whether to count, per gradient leaf, the steps on which it
+      was not finite (read with :func:`nonfinite_leaves`). A state keeps the
+      choice it was made with: ``update`` refuses a state whose ``leaf_stats``
+      differs from the transformation's.
+    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
+      finite backs the scale off, as an overflow does (the default, as
+      Keras). Such a step is skipped and counted either way; with ``False``
+      the scale, its counter and hysteresis stay as they were: a bad batch
+      or a forward overflow is not the scale's fault, and lowering the scale
+      cannot help it.
 
   Returns:
     A :class:`LossScaledTransformation`: an optax
@@ -200,7 +228,9 @@ def _loss_scale_optimizer_from_config(
     inner_state = inner.init(params)
     _refuse_nested_loss_scaling(inner_state)
     return LossScaleOptimizerState(
-      loss_scale_state=_step.init_state(config, params),
+      loss_scale_state=_step.init_state(
+        config, params, lambda: _updated_leaves(inner, inner_state, params)
+      ),
       inner_state=inner_state,
     )
 
@@ -232,6 +262,25 @@ def _loss_scale_optimizer_from_config(
   return LossScaledTransformation.of(
     init_fn, update_fn, config, skips_inner=True
   )
+
+
+def _updated_leaves(
+  inner: optax.GradientTransformationExtraArgs,
+  inner_state: Any,
+  params: Any,
+) -> list[bool] | None:
+  """Per leaf of `params`, whether `inner` may update it: not where its
+  update is zero whatever the gradients (a frozen parameter), as the
+  traced update says (nothing is computed). None where the update cannot
+  be traced without the step's arguments (extra args it needs, say)."""
+  grads = params.fast if isinstance(params, optax.LookaheadParams) else params
+  try:
+    zero = _zeros.zero_outputs(
+      lambda g, s, p: inner.update(g, s, p)[0], grads, inner_state, params
+    )
+  except Exception:  # any failure to trace it: each leaf may be updated
+    return None
+  return [not z for z in zero]
 
 
 def _check_state_type(state: Any) -> None:

@@ -5,23 +5,26 @@ Keras-TF2 is the reference; hysteresis, `max_scale` and
 defaults (hysteresis=1, max_scale=float32 max, backoff on a non-finite loss).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optax_lossscale._core.config import LossScaleConfig
 from optax_lossscale._core.state import (
   CAUSE_INF,
   CAUSE_LOSS,
   CAUSE_NAN,
+  CAUSE_SCALE,
   COUNTER_DTYPE,
   RECENT_SKIPS,
   SCALE_DTYPE,
   LeafCounts,
   LossScaleState,
   SkipEvents,
+  recorded_config,
 )
 
 
@@ -33,29 +36,32 @@ class Outcome(NamedTuple):
   loss_finite: jax.Array  # bool[]: the loss finite (True when not given)
   # With leaf_stats: bool[n], per gradient leaf in `jax.tree.leaves` order.
   leaf_notfinite: jax.Array | None = None
-
-
-def outcome_of(finite: jax.typing.ArrayLike) -> Outcome:
-  """The outcome of a step known only by whether its gradients were finite
-  (an overflow to inf, no NaN, and a finite loss otherwise)."""
-  finite = jnp.asarray(finite, jnp.bool_)
-  return Outcome(finite, jnp.zeros([], jnp.bool_), jnp.ones([], jnp.bool_))
+  # bool[]: the check can vouch for the scale the step ran at (False for a
+  # scale below 1 where the check reads the gradients before the division).
+  scale_usable: jax.Array | bool = True
+  # Static: whether the check could tell a NaN from an inf (`finite.check`).
+  nan_told_apart: bool = True
 
 
 def applies(outcome: Outcome) -> jax.Array:
-  """Whether the step is applied: its gradients and its loss are finite.
+  """Whether the step is applied: its gradients and its loss are finite,
+  at a scale the check can vouch for.
 
   A non-finite loss skips the step whatever the gradients (an inf loss can
   come with finite gradients: a target whose logit is `-inf`); whether it
   also backs the scale off is `config.backoff_on_nonfinite_loss`'s to
   decide (`next_state`)."""
-  return outcome.grads_finite & outcome.loss_finite
+  return outcome.grads_finite & outcome.loss_finite & outcome.scale_usable
 
 
 def next_state(
   state: LossScaleState, outcome: Outcome, config: LossScaleConfig
 ) -> LossScaleState:
-  """The state after a step with this outcome."""
+  """The state after a step with this outcome, which records the step's
+  facts (its skip, if it skipped) and the configuration it ran with."""
+  # `update` refuses a state of an earlier release, which lacks them.
+  assert state.nan_steps_exact is not None and state.config is not None
+  assert state.recent_skips.next_slot is not None
   applied = applies(outcome)
   skipped = ~applied
   # The scale is to blame for a skip (it backs off, as on an overflow)
@@ -70,13 +76,23 @@ def next_state(
     _increment_where(blamed, state.overflows_in_a_row),
   )
   counter: jax.Array | None
+  held = not_blamed = jnp.zeros([], jnp.bool_)
   if config.dynamic:
-    loss_scale, counter = _dynamic_scale_and_counter(
+    loss_scale, counter, backed_off = _dynamic_scale_and_counter(
       state, applied, blamed, overflows_in_a_row, config
     )
+    held, not_blamed = blamed & ~backed_off, skipped & ~blamed
   else:
     loss_scale, counter = state.loss_scale, state.counter
-  return LossScaleState(
+  event = _Event(
+    cause=_cause(outcome),
+    floor=config.min_scale if config.dynamic else 0.0,
+    nan_told_apart=outcome.nan_told_apart,
+    hysteresis_held=held,
+    loss_not_blamed=not_blamed,
+  )
+  untold = skipped & ~outcome.grads_finite & (not outcome.nan_told_apart)
+  return state._replace(
     loss_scale=loss_scale,
     counter=counter,
     skipped_in_a_row=jnp.where(
@@ -90,9 +106,22 @@ def next_state(
       skipped & ~outcome.loss_finite, state.nonfinite_loss_steps
     ),
     steps=optax.safe_increment(state.steps),
-    recent_skips=_recorded(state, outcome, skipped, loss_scale),
+    recent_skips=_recorded(state, event, skipped, loss_scale),
     leaf_notfinite=_leaf_counts(state.leaf_notfinite, outcome.leaf_notfinite),
+    config=_written_over(state.config, recorded_config(config)),
+    nan_steps_exact=state.nan_steps_exact & ~untold,
   )
+
+
+def _written_over(old: Any, new: Any) -> Any:
+  """`new` (constants of the step) in `old`'s place, as a select that
+  reads `old`: kept where it equals `new`, else `new`. jax returns an
+  output that is a constant as a new array at every call, outside the
+  compiled step, so that the donated buffer of `old` would go unused (a
+  fresh address each step; on GPU, one more command-buffer update:
+  tests/test_skip.py); and a constant written into that buffer is a copy
+  per field in the compiled step. The select is computed in the buffer."""
+  return jax.tree.map(lambda o, n: lax.select(o == n, o, n), old, new)
 
 
 def _zero() -> jax.Array:
@@ -121,33 +150,61 @@ def _leaf_counts(
   return counts._replace(counts=_increment_where(notfinite, counts.counts))
 
 
+class _Event(NamedTuple):
+  """What a skip records beyond its step and scales."""
+
+  cause: jax.Array
+  floor: float
+  nan_told_apart: bool
+  hysteresis_held: jax.Array
+  loss_not_blamed: jax.Array
+
+
+def _cause(outcome: Outcome) -> jax.Array:
+  """The bits of why the step was (or would be) skipped: a NaN step is not
+  also an inf step in the record, it says NaN."""
+  inf = ~outcome.grads_finite & ~outcome.grads_nan
+  return (
+    jnp.where(inf, CAUSE_INF, 0)
+    | jnp.where(outcome.grads_nan, CAUSE_NAN, 0)
+    | jnp.where(outcome.loss_finite, 0, CAUSE_LOSS)
+    | jnp.where(outcome.scale_usable, 0, CAUSE_SCALE)
+  ).astype(COUNTER_DTYPE)
+
+
 def _recorded(
   state: LossScaleState,
-  outcome: Outcome,
+  event: _Event,
   skipped: jax.Array,
   new_scale: jax.Array,
 ) -> SkipEvents:
-  """The ring of recent skips, with this step written in if it skipped."""
-  cause = (
-    jnp.where(outcome.grads_finite, 0, CAUSE_INF)
-    | jnp.where(outcome.grads_nan, CAUSE_NAN, 0)
-    | jnp.where(outcome.loss_finite, 0, CAUSE_LOSS)
-  )
-  # A NaN step is not also an inf step in the record: it says NaN.
-  cause = jnp.where(outcome.grads_nan, cause & ~CAUSE_INF, cause)
+  """The ring of recent skips, with this step written in if it skipped, at
+  the ring's write position (never a counter: counters saturate)."""
+  ring = state.recent_skips
+  next_slot = ring.next_slot
+  assert next_slot is not None  # today's state (`next_state`)
   # The slot to write, as a mask: a select of each small array, which XLA
   # fuses, rather than a scatter into it.
-  slot = state.total_skipped % RECENT_SKIPS
-  write = skipped & (jnp.arange(RECENT_SKIPS, dtype=COUNTER_DTYPE) == slot)
-  event = (
-    state.steps,
-    cause.astype(COUNTER_DTYPE),
-    state.loss_scale.astype(SCALE_DTYPE),
-    new_scale.astype(SCALE_DTYPE),
-  )
-  return SkipEvents._make(
-    jnp.where(write, value, ring)
-    for ring, value in zip(state.recent_skips, event, strict=True)
+  write = skipped & (jnp.arange(RECENT_SKIPS, dtype=COUNTER_DTYPE) == next_slot)
+  values = {
+    "step": state.steps,
+    "cause": event.cause,
+    "scale_before": state.loss_scale.astype(SCALE_DTYPE),
+    "scale_after": new_scale.astype(SCALE_DTYPE),
+    "floor": jnp.asarray(event.floor, SCALE_DTYPE),
+    "nan_told_apart": jnp.asarray(event.nan_told_apart, jnp.bool_),
+    "hysteresis_held": event.hysteresis_held,
+    "loss_not_blamed": event.loss_not_blamed,
+    "recorded": jnp.ones([], jnp.bool_),
+  }
+  return ring._replace(
+    **{
+      name: jnp.where(write, value, getattr(ring, name))
+      for name, value in values.items()
+    },
+    next_slot=jnp.where(
+      skipped, (next_slot + 1) % RECENT_SKIPS, next_slot
+    ).astype(COUNTER_DTYPE),
   )
 
 
@@ -157,7 +214,9 @@ def _dynamic_scale_and_counter(
   blamed: jax.Array,
   overflows_in_a_row: jax.Array,
   config: LossScaleConfig,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The new scale and counter, and whether the rule backed the scale off
+  (at the floor too, where the scale stays)."""
   assert state.counter is not None  # dynamic
   scale, counter = state.loss_scale, state.counter
   # `counter < growth_steps` always holds, so `counter + 1` cannot overflow.
@@ -182,4 +241,8 @@ def _dynamic_scale_and_counter(
     counter + 1,
     jnp.where(blamed | grow, jnp.zeros([], COUNTER_DTYPE), counter),
   )
-  return new_scale.astype(SCALE_DTYPE), new_counter.astype(COUNTER_DTYPE)
+  return (
+    new_scale.astype(SCALE_DTYPE),
+    new_counter.astype(COUNTER_DTYPE),
+    back_off,
+  )

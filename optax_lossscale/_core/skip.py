@@ -186,7 +186,7 @@ def update_unless(
     outs = _interpret.evaluate(
       jaxpr, closed.consts, old_leaves, _SelectWhereMade(finite, select_at)
     )
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # any failure to re-bind: the plain select
     # A primitive that cannot be re-bound from its jaxpr equation (none in
     # optax is known): the plain select is always exact, but slower, so it
     # is said once. Errors of the inner update itself were raised by

@@ -1,7 +1,6 @@
 """`unscale_and_check`: divide by the scale, decide finiteness, adjust."""
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from jax import lax
 from optax_lossscale._core import config as _config
 from optax_lossscale._core import donation as _donation
 from optax_lossscale._core import finite as _finite
+from optax_lossscale._core import master_weights as _master_weights
 from optax_lossscale._core import rule as _rule
 from optax_lossscale._core import skip as _skip
 from optax_lossscale._core.config import AxisName, LossScaleConfig
@@ -20,12 +20,12 @@ from optax_lossscale._core.state import (
   LossScaleState,
   check_scalar_state,
   init_loss_scale_state,
+  is_of_an_earlier_release,
   zero_leaf_counts,
 )
 from optax_lossscale._core.transformation import LossScaledTransformation
 
 
-@_config.shares_the_args
 def unscale_and_check(
   dynamic: bool = True,
   initial_scale: float | None = None,
@@ -62,7 +62,35 @@ def unscale_and_check(
   this transformation plus that skip.
 
   Args:
-    {shared_args}
+    dynamic: whether the scale adapts (``True``) or stays fixed.
+    initial_scale: the starting scale, a normal float32 (at least
+      ``2**-126``); ``2**15`` when dynamic, required when static.
+    dynamic_growth_steps: consecutive finite steps before the scale grows
+      (default 2000); must be ``None`` when static.
+    growth_factor: multiplier on growth, ``> 1``.
+    backoff_factor: multiplier on backoff, in ``(0, 1)``.
+    min_scale: the floor the dynamic scale never goes below (default 1);
+      not used when static.
+    max_scale: the ceiling growth never exceeds (default: float32 max);
+      not used when static.
+    hysteresis: skips counted against the scale, with no step applied
+      between, before it backs off (an applied step refills the tolerance,
+      as DeepSpeed's ``consecutive_hysteresis=True``; a non-finite loss
+      that ``backoff_on_nonfinite_loss=False`` leaves uncounted neither
+      counts nor refills it); every non-finite step is skipped regardless.
+    axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over
+      which one boolean is reduced, so that every replica skips together.
+      Not needed under ``jit`` with shardings.
+    leaf_stats: whether to count, per gradient leaf, the steps on which it
+      was not finite (read with :func:`nonfinite_leaves`). A state keeps the
+      choice it was made with: ``update`` refuses a state whose ``leaf_stats``
+      differs from the transformation's.
+    backoff_on_nonfinite_loss: whether a step whose loss (``value``) is not
+      finite backs the scale off, as an overflow does (the default, as
+      Keras). Such a step is skipped and counted either way; with ``False``
+      the scale, its counter and hysteresis stay as they were: a bad batch
+      or a forward overflow is not the scale's fault, and lowering the scale
+      cannot help it.
 
   Returns:
     A :class:`LossScaledTransformation` (an optax
@@ -123,45 +151,23 @@ def _unscale_and_check_from_config(
   )
 
 
-class Float16ParamsWarning(UserWarning):
-  """`init` was given float16 parameters (master weights)."""
-
-
-def init_state(config: LossScaleConfig, params: optax.Params) -> LossScaleState:
+def init_state(
+  config: LossScaleConfig,
+  params: optax.Params,
+  updated: Callable[[], list[bool] | None] | None = None,
+) -> LossScaleState:
   """The loss-scale state before the first step (with a count per leaf of
-  the gradients, shaped like `params`, when `config.leaf_stats`)."""
-  _warn_of_float16_params(params)
+  the gradients, shaped like `params`, when `config.leaf_stats`).
+  `updated` tells, per leaf of `params`, whether the optimizer may update
+  it (None: every leaf), for the float16 master-weights warning."""
+  _master_weights.warn_of_float16_params(params, updated)
   leaf_notfinite = None
   if config.leaf_stats:
     if isinstance(params, optax.LookaheadParams):
       params = params.fast  # the gradients are the fast params'
     leaf_notfinite = zero_leaf_counts(params)
   return init_loss_scale_state(
-    config.initial_scale, config.dynamic, leaf_notfinite
-  )
-
-
-def _warn_of_float16_params(params: Any) -> None:
-  """Warns once per `init` where some parameter is float16: the inner
-  update then runs in float16, where an update smaller than half a float16
-  step of its parameter rounds away (a learning rate of 1e-4 times a
-  gradient of 1 leaves a weight of 1 as it was), and a large one becomes
-  inf. The loss scale protects the gradients, not the update."""
-  leaves = jax.tree.leaves(params)
-  named = [x for x in leaves if getattr(x, "dtype", None) == jnp.float16]
-  if not named:
-    return
-  warnings.warn(
-    f"float16 master weights: {len(named)} of {len(leaves)} parameters"
-    " given to `init` are float16, so the optimizer's update is computed"
-    " and applied in float16, where updates smaller than half a float16"
-    " step of the weight become zeros and large ones inf, whatever the loss"
-    " scale. Keep the parameters in float32 and cast them to float16"
-    " inside the loss (`jax.tree.map(lambda p: p.astype(jnp.float16),"
-    " params)`); to silence this warning, `warnings.filterwarnings("
-    '"ignore", message="float16 master weights")`.',
-    Float16ParamsWarning,
-    stacklevel=4,
+    config.initial_scale, config.dynamic, leaf_notfinite, config
   )
 
 
@@ -180,6 +186,7 @@ def unscale_check_adjust(
     _check_value(value)
   scale = state.loss_scale
   unscaled = unscale(updates, scale, params)
+  scale_usable: jax.Array | bool = True
   if _config.scale_can_fall_below_one(config):
     # Dividing by a scale below 1 can overflow a finite gradient: check the
     # very values that are passed on.
@@ -187,12 +194,15 @@ def unscale_check_adjust(
   else:
     # Dividing by a scale >= 1 cannot overflow a finite gradient, so the
     # incoming gradient decides, as it arrives: XLA then need not
-    # materialize the quotient for the check. A scale below 1 can only come
-    # from `set_loss_scale`; it counts as an overflow, and backoff returns
-    # it to `min_scale`.
+    # materialize the quotient for the check. The check cannot vouch for a
+    # scale below 1, which only a state changed by hand (not through
+    # `set_loss_scale`, which refuses it) or by another configuration can
+    # hold: such a step is skipped, and recorded as that.
     verdict = _finite.check(updates, per_leaf=config.leaf_stats)
-    verdict = verdict._replace(finite=verdict.finite & (scale >= 1))
-  outcome = _agreed_outcome(verdict, value, config)
+    scale_usable = scale >= 1
+  outcome = _agreed_outcome(verdict, value, config)._replace(
+    scale_usable=scale_usable
+  )
   new_state = _rule.next_state(state, outcome, config)
   applied = new_state.last_finite
   last_finite = _donation.last_finite_flag(state.last_finite, applied)
@@ -205,6 +215,13 @@ def _check_state_matches(
   """Refuses, while tracing, a state made by a transformation configured
   otherwise in what the state's structure holds: a static or dynamic scale
   (the counter), and per-leaf counts (`leaf_stats`)."""
+  if is_of_an_earlier_release(state):
+    raise ValueError(
+      "The loss-scale state is of an earlier release of optax_lossscale"
+      " (a pickle of 0.2.0, say): it lacks the fields today's `update`"
+      " records. Pass the restored state through"
+      " `optax_lossscale.upgrade_state` first (docs/migration.md)."
+    )
   state_dynamic = state.counter is not None
   if state_dynamic != config.dynamic:
     made, given = _mode(state_dynamic), _mode(config.dynamic)
@@ -287,6 +304,7 @@ def _agreed_outcome(
     grads_nan=grads_nan,
     loss_finite=loss_finite,
     leaf_notfinite=leaf_notfinite,
+    nan_told_apart=verdict.nan_told_apart,
   )
 
 
