@@ -1,17 +1,20 @@
 """Equinox: float16 compute, float32 master weights, the standard loop.
 
-The model keeps float32 parameters and casts them (and its input) to
-float16 in ``__call__``; the loss is reduced in float32. The loop is the
-one Equinox's documentation shows (``eqx.filter_jit``,
+The model is written in float32, as Equinox's documentation writes it; the
+loss runs under ``ols.autocast``, which computes its products in float16,
+forward and backward, and its mean in float32. The loop is the one
+Equinox's documentation shows (``eqx.filter_jit``,
 ``eqx.filter_value_and_grad``, ``optim.update(grads, opt_state,
-eqx.filter(model, eqx.is_inexact_array))``), with two changes: the optax
-optimizer is wrapped in ``loss_scale_optimizer``, and the gradient comes
-from ``ols.value_and_grad(..., grad_fn=eqx.filter_value_and_grad)``.
+eqx.filter(model, eqx.is_inexact_array))``), with three changes: the optax
+optimizer is wrapped in ``loss_scale_optimizer``, the loss in
+``ols.autocast``, and the gradient comes from ``ols.value_and_grad(...,
+grad_fn=eqx.filter_value_and_grad)``.
 
 Run: ``python examples/equinox_mlp_fp16.py [--tiny]``.
 """
 
 import argparse
+import collections
 import json
 from collections.abc import Callable
 
@@ -24,19 +27,11 @@ import optax
 import optax_lossscale as ols
 
 
-def to_float16(tree):
-  """Floating-point arrays to float16; everything else as it is."""
-  return jax.tree.map(
-    lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, tree
-  )
-
-
 class MLP(eqx.Module):
   layers: list
   activation: Callable  # a non-array field
-  compute_dtype: str = eqx.field(static=True)
 
-  def __init__(self, din: int, width: int, key, compute_dtype="float16"):
+  def __init__(self, din: int, width: int, key):
     k1, k2, k3 = jax.random.split(key, 3)
     self.layers = [
       eqx.nn.Linear(din, width, key=k1),
@@ -44,21 +39,30 @@ class MLP(eqx.Module):
       eqx.nn.Linear(width, 1, key=k3),
     ]
     self.activation = jax.nn.gelu
-    self.compute_dtype = compute_dtype
 
   def __call__(self, x):
-    # The float32 master weights are cast for the compute; gradients flow
-    # back through the cast into float32.
-    layers = to_float16(self.layers)
-    x = x.astype(self.compute_dtype)
-    for layer in layers[:-1]:
+    for layer in self.layers[:-1]:
       x = self.activation(layer(x))
-    return layers[-1](x)
+    return self.layers[-1](x)
 
 
 def loss_fn(model: MLP, x, y):
-  pred = jax.vmap(model)(x).astype(jnp.float32)  # reduced in float32
-  return jnp.mean((pred - y) ** 2)
+  return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def product_dtypes(jaxpr) -> dict[str, int]:
+  """The matrix products of a program (nested ones too), counted by dtype."""
+  counts = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      counts[eqn.outvars[0].aval.dtype.name] += 1
+    for param in eqn.params.values():  # the bodies of calls, loops, rules
+      for body in param if isinstance(param, tuple) else (param,):
+        if isinstance(body, jax.extend.core.ClosedJaxpr):
+          body = body.jaxpr
+        if isinstance(body, jax.extend.core.Jaxpr):
+          counts.update(product_dtypes(body))
+  return dict(counts)
 
 
 def make_data(n: int, din: int, seed: int = 0):
@@ -83,7 +87,7 @@ def main(argv=None) -> dict:
   @eqx.filter_jit
   def make_step(model, opt_state, xb, yb):
     loss, grads = ols.value_and_grad(
-      loss_fn, grad_fn=eqx.filter_value_and_grad
+      ols.autocast(loss_fn), grad_fn=eqx.filter_value_and_grad
     )(opt_state, model, xb, yb)
     updates, opt_state = optim.update(
       grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
@@ -108,12 +112,19 @@ def main(argv=None) -> dict:
         f"  skipped {int(ols.skip_stats(opt_state).total_skipped)}"
       )
 
+  # What ran in which dtype: every product of the step, forward and backward.
+  xb, yb = x[:batch], y[:batch]
+  program, _, _ = eqx.filter_make_jaxpr(make_step)(model, opt_state, xb, yb)
+  products = product_dtypes(program.jaxpr)
+  print(f"matrix products in the training step, by dtype: {products}")
+
   result = {
     "first_loss": float(np.mean(losses[:10])),
     "last_loss": float(np.mean(losses[-10:])),
     "loss_scale": float(ols.loss_scale(opt_state)),
     "skipped": int(ols.skip_stats(opt_state).total_skipped),
     "master_dtype": str(model.layers[0].weight.dtype),
+    "products": products,
     "steps": steps,
   }
   print("RESULT " + json.dumps(result))

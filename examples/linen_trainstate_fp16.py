@@ -1,14 +1,18 @@
 """Flax Linen with a ``TrainState``: float16 compute, float32 master weights.
 
-A small classifier with BatchNorm, trained through ``TrainState`` (extended
-with ``batch_stats``, as Flax's own examples do) under ``jax.jit``. The
-loss-scaled optimizer is the ``tx``; ``apply_gradients`` takes the scaled
-gradients and does the rest.
+A small classifier with BatchNorm, written in float32, trained through
+``TrainState`` (extended with ``batch_stats``, as Flax's own examples do)
+under ``jax.jit``. The loss, which calls ``apply``, runs under
+``ols.autocast``: the products in float16, forward and backward, the
+norm's statistics and the cross-entropy in float32. The loss-scaled
+optimizer is the ``tx``; ``apply_gradients`` takes the scaled gradients and
+does the rest.
 
 Run: ``python examples/linen_trainstate_fp16.py [--tiny]``.
 """
 
 import argparse
+import collections
 import json
 from typing import Any
 
@@ -27,16 +31,29 @@ class Classifier(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool):
-    # dtype: the compute dtype; param_dtype stays float32 (the default).
-    x = nn.Dense(64, dtype=jnp.float16)(x)
-    # Normalization in float32 (its statistics too).
-    x = nn.BatchNorm(use_running_average=not train, dtype=jnp.float32)(x)
+    x = nn.Dense(64)(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
     x = nn.relu(x)
-    return nn.Dense(self.num_classes, dtype=jnp.float16)(x)
+    return nn.Dense(self.num_classes)(x)
 
 
 class TrainState(train_state.TrainState):
   batch_stats: Any
+
+
+def product_dtypes(jaxpr) -> dict[str, int]:
+  """The matrix products of a program (nested ones too), counted by dtype."""
+  counts = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      counts[eqn.outvars[0].aval.dtype.name] += 1
+    for param in eqn.params.values():  # the bodies of calls, loops, rules
+      for body in param if isinstance(param, tuple) else (param,):
+        if isinstance(body, jax.extend.core.ClosedJaxpr):
+          body = body.jaxpr
+        if isinstance(body, jax.extend.core.Jaxpr):
+          counts.update(product_dtypes(body))
+  return dict(counts)
 
 
 def make_data(n: int, din: int, classes: int, seed: int = 0):
@@ -70,17 +87,15 @@ def main(argv=None) -> dict:
       train=True,
       mutable=["batch_stats"],
     )
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), yb
-    ).mean()  # reduced in float32
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
     return loss, updates["batch_stats"]
 
   @jax.jit
   def train_step(state, xb, yb):
     # `state` is where the loss-scale state sits: the TrainState itself.
-    (loss, batch_stats), grads = ols.value_and_grad(loss_fn, has_aux=True)(
-      state, state.params, state.batch_stats, xb, yb
-    )
+    (loss, batch_stats), grads = ols.value_and_grad(
+      ols.autocast(loss_fn), has_aux=True
+    )(state, state.params, state.batch_stats, xb, yb)
     state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
     return state, loss
 
@@ -107,6 +122,11 @@ def main(argv=None) -> dict:
         f"  skipped {int(ols.skip_stats(state).total_skipped)}"
       )
 
+  # What ran in which dtype: every product of the step, forward and backward.
+  xb, yb = x[:batch], labels[:batch]
+  products = product_dtypes(jax.make_jaxpr(train_step)(state, xb, yb).jaxpr)
+  print(f"matrix products in the training step, by dtype: {products}")
+
   result = {
     "first_loss": float(np.mean(losses[:10])),
     "last_loss": float(np.mean(losses[-10:])),
@@ -114,6 +134,7 @@ def main(argv=None) -> dict:
     "loss_scale": float(ols.loss_scale(state)),
     "skipped": int(ols.skip_stats(state).total_skipped),
     "master_dtype": str(jax.tree.leaves(state.params)[0].dtype),
+    "products": products,
     "steps": steps,
   }
   print("RESULT " + json.dumps(result))

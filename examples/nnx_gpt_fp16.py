@@ -4,15 +4,19 @@ A decoder-only transformer language model at the character level, trained
 on the Zen of Python (``this.s``, rot13-decoded: text that ships with
 Python), its parameters sharded with ``nnx.with_partitioning`` over a 4x2
 ``("data", "model")`` mesh in the style of the JAX AI Stack's miniGPT
-tutorial. Where each part computes (``docs/recipes.md`` gives the reasons):
+tutorial. The model is written in float32 (Flax's layers as they come);
+float16 is one line, ``ols.autocast`` around the loss. Where each part
+computes then (``docs/autocast.md`` has the policy, primitive by
+primitive):
 
-- float16: the matrix products (the q/k/v and output projections, the
-  MLP, the language-model head), through each layer's ``dtype``;
-- float32: the master weights and the optimizer state (``param_dtype``),
-  the embedding lookup and the residual stream, the layer norms, the
-  attention logits and softmax (``attention_float32_softmax``, which also
-  avoids the float16 path of ``jax.nn.dot_product_attention`` that XLA on
-  CPU refuses to compile), and the loss.
+- float16: every matrix product, forward and backward (the q/k/v and
+  output projections, the attention's two products, the MLP, the
+  language-model head);
+- float32: the master weights and the optimizer state, the embedding
+  lookup, the layer norms' statistics, the attention softmax (its
+  exponentials and sums, and the masked logits: the mask's fill value is
+  beyond float16's range), the gelu's cube, and the loss; the residual
+  stream too, where a float16 product meets a float32 bias.
 
 The same model, initialization and batches are then trained in float32
 with the plain optimizer, and the two runs' losses are printed side by
@@ -37,6 +41,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get(
 
 import argparse
 import codecs
+import collections
 import contextlib
 import io
 import itertools
@@ -75,27 +80,6 @@ def make_mesh() -> jax.sharding.Mesh:
   )
 
 
-def attention_float32_softmax(query, key, value, mask=None, **unused):
-  """Attention for ``nnx.MultiHeadAttention(attention_fn=...)``: the logits
-  and the softmax in float32, the two products on float16 operands.
-
-  The products' operands stay in the layer's ``dtype``; the logits come out
-  of the first product in float32 (``preferred_element_type``), so neither
-  the scaled dot products nor the softmax's exponentials round to float16.
-  The probabilities go back to ``value``'s dtype for the second product.
-  Dropout and ``is_causal`` (in ``unused``) are not supported: the mask is
-  passed explicitly.
-  """
-  depth = query.shape[-1]
-  logits = jnp.einsum(
-    "...qhd,...khd->...hqk", query, key, preferred_element_type=jnp.float32
-  ) / np.sqrt(depth).astype(np.float32)
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1)
-  return jnp.einsum("...hqk,...khd->...qhd", probs.astype(value.dtype), value)
-
-
 def sharded(init, *names):
   """An initializer whose Variable carries its mesh axes."""
   return nnx.with_partitioning(init, names)
@@ -106,21 +90,18 @@ ONES, ZEROS = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
 
 
 def layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  # float32 statistics and output: the variance is a mean of squares.
   return nnx.LayerNorm(
     d,
-    dtype=jnp.float32,
     scale_init=sharded(ONES, "model"),
     bias_init=sharded(ZEROS, "model"),
     rngs=rngs,
   )
 
 
-def linear(din, dout, dtype, axes, rngs: nnx.Rngs) -> nnx.Linear:
+def linear(din, dout, axes, rngs: nnx.Rngs) -> nnx.Linear:
   return nnx.Linear(
     din,
     dout,
-    dtype=dtype,
     kernel_init=sharded(DENSE, *axes),
     bias_init=sharded(ZEROS, "model"),
     rngs=rngs,
@@ -128,53 +109,42 @@ def linear(din, dout, dtype, axes, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block; the residual stream is float32."""
+  """Pre-norm transformer block."""
 
-  def __init__(self, d: int, heads: int, dtype, *, rngs: nnx.Rngs):
+  def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
     self.norm1 = layer_norm(d, rngs)
     self.attn = nnx.MultiHeadAttention(
       num_heads=heads,
       in_features=d,
-      dtype=dtype,  # q/k/v and output projections in float16
       kernel_init=sharded(DENSE, None, "model", None),  # heads on "model"
       out_kernel_init=sharded(DENSE, "model", None, None),
       bias_init=sharded(ZEROS, "model", None),
       out_bias_init=sharded(ZEROS, "model"),
-      attention_fn=attention_float32_softmax,
       decode=False,
       rngs=rngs,
     )
     self.norm2 = layer_norm(d, rngs)
     # Megatron-style: the first layer split by columns, the second by rows.
-    self.up = linear(d, 4 * d, dtype, (None, "model"), rngs)
-    self.down = linear(4 * d, d, dtype, ("model", None), rngs)
+    self.up = linear(d, 4 * d, (None, "model"), rngs)
+    self.down = linear(4 * d, d, ("model", None), rngs)
 
   def __call__(self, x, mask):
-    # Each branch computes in float16 and is added back in float32.
-    x = x + self.attn(self.norm1(x), mask=mask).astype(jnp.float32)
-    h = self.down(nnx.gelu(self.up(self.norm2(x))))
-    return x + h.astype(jnp.float32)
+    x = x + self.attn(self.norm1(x), mask=mask)
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
 
 class GPT(nnx.Module):
-  def __init__(
-    self, vocab, block_size, d, heads, layers, dtype, *, rngs: nnx.Rngs
-  ):
+  def __init__(self, vocab, block_size, d, heads, layers, *, rngs: nnx.Rngs):
     embed = nnx.initializers.normal(0.02)
-    # The lookups stay float32 (no `dtype`): they start the float32
-    # residual stream, and their gradients are summed per token in float32.
     self.tokens = nnx.Embed(
       vocab, d, embedding_init=sharded(embed, None, "model"), rngs=rngs
     )
     self.positions = nnx.Embed(
       block_size, d, embedding_init=sharded(embed, None, "model"), rngs=rngs
     )
-    self.blocks = nnx.List(
-      [Block(d, heads, dtype, rngs=rngs) for _ in range(layers)]
-    )
+    self.blocks = nnx.List([Block(d, heads, rngs=rngs) for _ in range(layers)])
     self.norm = layer_norm(d, rngs)
-    # The logits come out in float16; the loss casts them to float32.
-    self.head = linear(d, vocab, dtype, (None, "model"), rngs)
+    self.head = linear(d, vocab, (None, "model"), rngs)
 
   def __call__(self, tokens):
     mask = nnx.make_causal_mask(tokens, dtype=jnp.bool_)
@@ -185,8 +155,23 @@ class GPT(nnx.Module):
 
 
 def loss_fn(model: GPT, inputs, targets):
-  logits = model(inputs).astype(jnp.float32)  # the loss in float32
+  logits = model(inputs)
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def product_dtypes(jaxpr) -> dict[str, int]:
+  """The matrix products of a program (nested ones too), counted by dtype."""
+  counts = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      counts[eqn.outvars[0].aval.dtype.name] += 1
+    for param in eqn.params.values():  # the bodies of calls, loops, rules
+      for body in param if isinstance(param, tuple) else (param,):
+        if isinstance(body, jax.extend.core.ClosedJaxpr):
+          body = body.jaxpr
+        if isinstance(body, jax.extend.core.Jaxpr):
+          counts.update(product_dtypes(body))
+  return dict(counts)
 
 
 def make_batches(ids: np.ndarray, steps, batch, block_size, seed=0):
@@ -198,25 +183,28 @@ def make_batches(ids: np.ndarray, steps, batch, block_size, seed=0):
   return seqs[..., :-1], seqs[..., 1:]
 
 
-def train(config, dtype, tx, batches, mesh, *, loss_scaled: bool):
-  """Trains a fresh GPT (the same initialization for every call); returns
-  the model, the optimizer, the loss of each step and, when loss-scaled,
-  the scale before the first step and after each."""
+def train(config, tx, batches, mesh, *, float16: bool):
+  """Trains a fresh GPT (the same initialization for every call), in
+  float16 (under autocast, loss-scaled) or in float32; returns the model,
+  the optimizer, the loss of each step, and in float16 the scale before the
+  first step and after each, and the step's matrix products by dtype."""
   with jax.set_mesh(mesh):
 
     @nnx.jit
     def create():
       # Each Variable is placed on the mesh by its axes as it is created;
       # under jit, in one compiled program rather than op by op.
-      model = GPT(**config, dtype=dtype, rngs=nnx.Rngs(0))
+      model = GPT(**config, rngs=nnx.Rngs(0))
       return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     model, optimizer = create()
 
     @nnx.jit
     def train_step(model, optimizer, inputs, targets):
-      if loss_scaled:
-        grad_fn = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)
+      if float16:
+        grad_fn = ols.value_and_grad(
+          ols.autocast(loss_fn), grad_fn=nnx.value_and_grad
+        )
         loss, grads = grad_fn(optimizer, model, inputs, targets)
       else:
         loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
@@ -224,15 +212,18 @@ def train(config, dtype, tx, batches, mesh, *, loss_scaled: bool):
       return loss
 
     data = NamedSharding(mesh, P("data", None))  # batch split over "data"
-    losses, scales = [], []
+    losses, scales, products = [], [], {}
     for inputs, targets in zip(*batches, strict=True):
-      if loss_scaled:
+      if float16:
         scales.append(float(ols.loss_scale(optimizer)))
       inputs, targets = jax.device_put((inputs, targets), data)
       losses.append(float(train_step(model, optimizer, inputs, targets)))
-    if loss_scaled:
+    if float16:
       scales.append(float(ols.loss_scale(optimizer)))
-  return model, optimizer, losses, scales
+      # What ran in which dtype: every product, forward and backward.
+      program = jax.make_jaxpr(train_step)(model, optimizer, inputs, targets)
+      products = product_dtypes(program.jaxpr)
+  return model, optimizer, losses, scales, products
 
 
 def main(argv=None) -> dict:
@@ -255,11 +246,11 @@ def main(argv=None) -> dict:
   # Grows after 50 finite steps in a row instead of Keras's 2000, so that a
   # run this short shows the rule at work.
   tx16 = ols.loss_scale_optimizer(optax.adam(3e-3), dynamic_growth_steps=50)
-  model, optimizer, losses, scales = train(
-    config, jnp.float16, tx16, batches, mesh, loss_scaled=True
+  model, optimizer, losses, scales, products = train(
+    config, tx16, batches, mesh, float16=True
   )
-  _, _, losses32, _ = train(
-    config, jnp.float32, optax.adam(3e-3), batches, mesh, loss_scaled=False
+  _, _, losses32, _, _ = train(
+    config, optax.adam(3e-3), batches, mesh, float16=False
   )
 
   report_every = max(steps // 5, 1)
@@ -281,6 +272,7 @@ def main(argv=None) -> dict:
     f"last 10 steps' mean loss: float16 {np.mean(losses[-10:]):.4f},"
     f" float32 {np.mean(losses32[-10:]):.4f}"
   )
+  print(f"matrix products in the training step, by dtype: {products}")
   kernel = model.blocks[0].up.kernel
   result = {
     "first_loss": float(np.mean(losses[:10])),
@@ -293,6 +285,7 @@ def main(argv=None) -> dict:
     "growths": growths,
     "optimizer_step": int(optimizer.step[...]),
     "master_dtype": str(kernel[...].dtype),
+    "products": products,
     "kernel_spec": [str(a) for a in kernel[...].sharding.spec],
     "steps": steps,
   }

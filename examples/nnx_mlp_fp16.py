@@ -1,14 +1,17 @@
 """Flax NNX, functional style: float16 compute, float32 master weights.
 
-A regression MLP (with BatchNorm and Dropout) trained with
-``nnx.split``/``nnx.merge`` under ``jax.jit``: the optimizer travels as a
-graph definition plus a state, which is also the form a checkpoint has.
-The read-outs and ``set_loss_scale`` take that state directly.
+A regression MLP (with BatchNorm and Dropout), written in float32, trained
+with ``nnx.split``/``nnx.merge`` under ``jax.jit``: the optimizer travels as
+a graph definition plus a state, which is also the form a checkpoint has.
+The read-outs and ``set_loss_scale`` take that state directly. The loss
+runs under ``ols.autocast``: the products in float16, forward and backward,
+the norm's statistics and the mean in float32.
 
 Run: ``python examples/nnx_mlp_fp16.py [--tiny]``.
 """
 
 import argparse
+import collections
 import json
 
 import jax
@@ -22,12 +25,10 @@ import optax_lossscale as ols
 
 class MLP(nnx.Module):
   def __init__(self, din: int, width: int, *, rngs: nnx.Rngs):
-    # float16 compute (dtype), float32 parameters (param_dtype, the default).
-    self.hidden = nnx.Linear(din, width, dtype=jnp.float16, rngs=rngs)
-    # Normalization stays in float32: its variance and epsilon need it.
-    self.norm = nnx.BatchNorm(width, dtype=jnp.float32, rngs=rngs)
+    self.hidden = nnx.Linear(din, width, rngs=rngs)
+    self.norm = nnx.BatchNorm(width, rngs=rngs)
     self.dropout = nnx.Dropout(0.1, rngs=rngs)
-    self.out = nnx.Linear(width, 1, dtype=jnp.float16, rngs=rngs)
+    self.out = nnx.Linear(width, 1, rngs=rngs)
 
   def __call__(self, x):
     h = self.dropout(nnx.relu(self.norm(self.hidden(x))))
@@ -35,8 +36,22 @@ class MLP(nnx.Module):
 
 
 def loss_fn(model: MLP, x, y):
-  pred = model(x).astype(jnp.float32)  # the loss is reduced in float32
-  return jnp.mean((pred - y) ** 2)
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def product_dtypes(jaxpr) -> dict[str, int]:
+  """The matrix products of a program (nested ones too), counted by dtype."""
+  counts = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      counts[eqn.outvars[0].aval.dtype.name] += 1
+    for param in eqn.params.values():  # the bodies of calls, loops, rules
+      for body in param if isinstance(param, tuple) else (param,):
+        if isinstance(body, jax.extend.core.ClosedJaxpr):
+          body = body.jaxpr
+        if isinstance(body, jax.extend.core.Jaxpr):
+          counts.update(product_dtypes(body))
+  return dict(counts)
 
 
 def make_data(n: int, din: int, seed: int = 0):
@@ -63,9 +78,9 @@ def main(argv=None) -> dict:
   @jax.jit
   def train_step(state, xb, yb):
     model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = ols.value_and_grad(loss_fn, grad_fn=nnx.value_and_grad)(
-      optimizer, model, xb, yb
-    )
+    loss, grads = ols.value_and_grad(
+      ols.autocast(loss_fn), grad_fn=nnx.value_and_grad
+    )(optimizer, model, xb, yb)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
@@ -84,14 +99,21 @@ def main(argv=None) -> dict:
         f"  skipped {int(ols.skip_stats(state).total_skipped)}"
       )
 
+  # What ran in which dtype: every product of the step, forward and backward.
+  program = jax.make_jaxpr(train_step)(state, x[:batch], y[:batch])
+  products = product_dtypes(program.jaxpr)
+  print(f"matrix products in the training step, by dtype: {products}")
+
   # Checkpoint surgery on the split state, then back into objects.
   state = ols.set_loss_scale(state, 1024.0)
-  _, optimizer = nnx.merge(graphdef, state)
+  model, optimizer = nnx.merge(graphdef, state)
   result = {
     "first_loss": float(np.mean(losses[:10])),
     "last_loss": float(np.mean(losses[-10:])),
     "loss_scale": float(ols.loss_scale(optimizer)),
     "skipped": int(ols.skip_stats(optimizer).total_skipped),
+    "master_dtype": str(model.hidden.kernel[...].dtype),
+    "products": products,
     "steps": steps,
   }
   print("RESULT " + json.dumps(result))

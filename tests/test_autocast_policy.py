@@ -256,6 +256,18 @@ def test_outputs_come_back_in_the_dtypes_fun_returns():
   )
 
 
+def test_outputs_that_are_constants_come_back_as_written():
+  # An output the program holds as a literal (a flag that a layer resets,
+  # as Equinox's BatchNorm returns its first-time flag in its state).
+  def fun(x):
+    return jnp.sum(x @ W), jnp.zeros((), bool), 1.5
+
+  total, flag, number = ols.autocast(fun)(X)
+  assert (total.dtype, flag.dtype) == (F32, jnp.bool_)
+  assert (bool(flag), float(number)) == (False, 1.5)
+  assert jnp.asarray(number).dtype == F32
+
+
 def test_gradients_come_back_in_each_input_dtype():
   def loss(w32, w16, wbf):
     h = X @ w32 + X @ w16.astype(F32) + X @ wbf.astype(F32)

@@ -235,6 +235,27 @@ def test_the_finder_names_the_line_and_scope_of_the_user_code():
   assert first.call_path[-1].endswith("loss")
 
 
+def test_the_finder_names_the_line_that_called_a_jitted_jax_function():
+  # jax.nn.log_softmax is a jit whose body has no frame of the user's;
+  # autocast evaluates it in place, and its casts (the float16 logits to
+  # float32 for the exponentials) and operations are named by the line
+  # that called it, as the call itself is without autocast. Found on
+  # Flax's NNX Gemma, whose backward first overflows at that cast.
+  def loss(w, x):
+    logp = jax.nn.log_softmax(x @ w)
+    return -jnp.mean(logp[:, 0])
+
+  report = ols.find_overflow(ols.autocast(loss), W, X, scale=2.0**40)
+  first = report.first
+  assert (first.pass_name, first.primitive) == (
+    "backward",
+    "convert_element_type",
+  )
+  assert first.code == "logp = jax.nn.log_softmax(x @ w)"
+  assert first.source.startswith("tests/test_autocast_scopes.py:")
+  assert first.call_path[-1].endswith("loss")
+
+
 # Source lines and name stacks, in the program and in the compiled module.
 
 

@@ -393,7 +393,8 @@ def test_nnx_example_is_located_to_its_module():
   model.out.kernel[...] = model.out.kernel[...] * 2.0**10
   before = _snapshot(nnx.state(model))
   x, y = example.make_data(16, 8)
-  first = ols.find_overflow(example.loss_fn, model, x, y).first
+  # The example's float32 model computes in float16 under autocast.
+  first = ols.find_overflow(ols.autocast(example.loss_fn), model, x, y).first
   assert (first.pass_name, first.primitive) == ("forward", "dot_general")
   assert first.code == "return self.out(h)"
   assert first.call_path[-2:] == ("MLP.__call__", "Linear.__call__")
@@ -434,7 +435,7 @@ def test_linen_example_is_located_to_its_module_path():
     variables["params"],
   )
   report = ols.find_overflow(
-    loss_fn, params, variables["batch_stats"], x, labels
+    ols.autocast(loss_fn), params, variables["batch_stats"], x, labels
   )
   first = report.first
   assert (first.pass_name, first.scope) == ("forward", "Classifier/Dense_1")
@@ -450,11 +451,13 @@ def test_equinox_example_is_located_to_its_module():
     lambda m: m.layers[2].weight, model, model.layers[2].weight * 2.0**14
   )
   x = jax.random.normal(jax.random.key(1), (16, 8))
-  report = ols.find_overflow(example.loss_fn, model, x, jnp.zeros((16, 1)))
+  report = ols.find_overflow(
+    ols.autocast(example.loss_fn), model, x, jnp.zeros((16, 1))
+  )
   first = report.first  # the cotangent of the last layer's input
   assert (first.pass_name, first.primitive) == ("backward", "dot_general")
   assert first.scope == "eqx.nn.Linear"  # Equinox's own name scope
-  assert first.code == "return layers[-1](x)"
+  assert first.code == "return self.layers[-1](x)"
   assert first.call_path[-2:] == ("MLP.__call__", "Linear.__call__")
 
 

@@ -82,6 +82,47 @@ def test_scales_in_the_window_match_float32(trained):
 
 
 @pytest.mark.slow
+def test_the_float32_model_under_autocast_matches_float32(trained):
+  ref = trained["fp32"].eval_loss
+  r = trained["fp16_autocast"]
+  assert r.spec.autocast and r.spec.scaling is Scaling.DYNAMIC
+  # As fp16_dynamic does, with no cast written in the model.
+  assert abs(r.eval_loss - ref) < MATCH_TOL
+  assert r.skipped_total == 0
+  assert np.all(r.scale == 2.0**15)
+  assert r.act_flushed_mean < 0.01
+
+
+def _product_dtypes(spec, params, x, y):
+  program = jax.make_jaxpr(jax.grad(runs.loss(spec, Config.depth)))(
+    params, x, y
+  )
+  return [
+    np.dtype(e.outvars[0].aval.dtype).name
+    for e in program.jaxpr.eqns
+    if e.primitive.name == "dot_general"
+  ]
+
+
+def test_autocast_runs_the_products_the_study_casts_by_hand():
+  setup = train.prepare(Config(steps=1, batch=256, max_chars=20_000))
+  x, y = setup.probe_batch
+  specs = {s.name: s for s in runs.main_specs(setup.config)}
+  by_hand = _product_dtypes(specs["fp16_dynamic"], setup.params0, x, y)
+  under_autocast = _product_dtypes(specs["fp16_autocast"], setup.params0, x, y)
+  # Every product of the gradient program, forward and backward, in float16,
+  # as many as the study's own conversion has; the gradients float32.
+  assert under_autocast == by_hand == ["float16"] * len(by_hand)
+  # Forward, each layer's; backward, each layer's weights' and inputs'
+  # (the first layer's input is the embedding, which is trained too).
+  assert len(by_hand) == 3 * (Config.depth + 1)
+  grads = jax.grad(runs.loss(specs["fp16_autocast"], Config.depth))(
+    setup.params0, x, y
+  )
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.slow
 def test_below_the_window_plain_float16_flushes_and_falls_behind(trained):
   ref = trained["fp32"].eval_loss
   plain = trained["fp16"]
@@ -193,7 +234,7 @@ def test_main_job_writes_scales_as_powers_of_two(printed):
   finals = {row.split()[0]: row.split()[-1] for row in rows}
   assert finals["fp32"] == finals["fp16"] == "-"  # no scale
   assert finals["fp16_static"] == "2**10"
-  assert finals["fp16_dynamic"] == "2**15"
+  assert finals["fp16_dynamic"] == finals["fp16_autocast"] == "2**15"
   assert re.fullmatch(r"2\*\*\d+", finals["fp16_dynamic_g5"])
 
 
@@ -228,6 +269,11 @@ def test_main_job_ends_with_the_result(printed, trained):
     closing
   )
   assert f"{100 * plain.act_flushed_mean:.0f}% of its activation" in closing
+  auto = trained["fp16_autocast"]
+  assert "the float32 model under ols.autocast, with the same scaling" in (
+    closing
+  )
+  assert f"({auto.eval_loss:.4f}), with no skipped step" in closing
   # It prints the scale's actions for the run whose scale moves.
   g5 = trained["fp16_dynamic_g5"]
   assert (
@@ -370,7 +416,12 @@ def test_run_specs_say_what_they_are():
     Scaling.STATIC,
     Scaling.DYNAMIC,
     Scaling.DYNAMIC,
+    Scaling.DYNAMIC,
   ]
+  assert [s.name for s in specs.values() if s.autocast] == ["fp16_autocast"]
+  assert specs["fp16_autocast"].initial_scale is None  # the defaults
+  with pytest.raises(ValueError, match="autocast computes in float16"):
+    RunSpec("x", dtype="float32", autocast=True)
   assert {s.replicas for s in specs.values()} == {4}
   assert specs["fp32"].compute_dtype == jnp.float32
   g5 = specs["fp16_dynamic_g5"]

@@ -29,13 +29,15 @@ float16), logits cast back to float32 for the softmax and the float32 mean,
 and the float16 gradients cast back to float32 for Adam.
 
 The main job (``python notebooks/fp16_study.py``, about 2 minutes on two
-CPU cores) trains five runs, same seeds, same batches, same steps:
+CPU cores) trains six runs, same seeds, same batches, same steps:
 
   * ``fp32``:             everything float32;
   * ``fp16``:             float16 compute, no loss scaling;
   * ``fp16_static``:      float16, static loss scale (``--static-scale``);
   * ``fp16_dynamic``:     float16, ``loss_scale_optimizer`` at its defaults
                           (2**15, growth after 2000 finite steps);
+  * ``fp16_autocast``:    the same scaling, the float32 model's loss under
+                          ``ols.autocast`` instead of the casts above;
   * ``fp16_dynamic_g5``:  the same from ``--dynamic-scale`` (2**15) with
                           growth after ``--growth-steps`` (5) finite steps,
                           so that the scale moves within the short run: it

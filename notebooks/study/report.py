@@ -58,6 +58,8 @@ def format_runs(result: StudyResult) -> str:
       what = "float32, the reference"
     elif not r.spec.scaled:
       what = "float16, no loss scale"
+    elif r.spec.autocast:
+      what = f"the float32 model under ols.autocast, {describe_scaling(r)}"
     else:
       what = f"float16, {describe_scaling(r)}"
     words.append(f"  {name:<{max(map(len, result.runs)) + 2}}{what}")
@@ -94,7 +96,8 @@ def format_table(result: StudyResult) -> str:
     f"{'final scale':>13}",
   ]
   for name, r in result.runs.items():
-    vs = r.eval_loss - ref.eval_loss if ref else float("nan")
+    # A gap below the last digit prints as +0.0000, not -0.0000.
+    vs = round(r.eval_loss - ref.eval_loss, 4) + 0.0 if ref else float("nan")
     lines.append(
       f"{name:<{width}}{r.eval_loss:>10.4f}{vs:>+9.4f}"
       f"{100 * r.eval_acc:>7.2f}{_flushed(r.act_flushed_mean, 2):>15}"
@@ -201,8 +204,9 @@ def format_scales(result: StudyResult) -> str:
 
 def format_conclusion(result: StudyResult) -> str | None:
   """The result in one sentence: float16 with dynamic scaling at the
-  defaults against float32, and what plain float16 did. None when the
-  runs it compares are not there."""
+  defaults against float32, the float32 model under ``ols.autocast`` with
+  the same scaling (when the job has it), and what plain float16 did.
+  None when the runs it compares are not there."""
   runs = result.runs
   if not {"fp32", "fp16", "fp16_dynamic"} <= runs.keys():
     return None
@@ -211,20 +215,31 @@ def format_conclusion(result: StudyResult) -> str | None:
 
   def gap(r: RunResult) -> str:
     d = r.eval_loss - ref.eval_loss
+    if round(d, 4) == 0:
+      return "level with float32"
     side = "behind" if d > 0 else "ahead of"
     return f"{abs(d):.4f} {side} float32"
 
-  dyn_skips = (
-    "no skipped step"
-    if dyn.skipped_total == 0
-    else _plural(dyn.skipped_total, "skipped step")
-  )
+  def skips(r: RunResult) -> str:
+    if r.skipped_total == 0:
+      return "no skipped step"
+    return _plural(r.skipped_total, "skipped step")
+
   text = (
     f"Result after {steps} steps: float16 with dynamic loss scaling (the"
     f" defaults) ends {gap(dyn)} ({dyn.eval_loss:.4f} against"
-    f" {ref.eval_loss:.4f}), with {dyn_skips}; plain float16 ends"
-    f" {gap(plain)}, with {100 * plain.act_flushed_mean:.0f}% of its"
-    " activation gradients flushed to zero."
+    f" {ref.eval_loss:.4f}), with {skips(dyn)};"
+  )
+  auto = runs.get("fp16_autocast")
+  if auto is not None:
+    text += (
+      " the float32 model under ols.autocast, with the same scaling, ends"
+      f" {gap(auto)} ({auto.eval_loss:.4f}), with {skips(auto)};"
+    )
+  text += (
+    f" plain float16 ends {gap(plain)}, with"
+    f" {100 * plain.act_flushed_mean:.0f}% of its activation gradients"
+    " flushed to zero."
   )
   return textwrap.fill(text, width=79)
 

@@ -31,7 +31,14 @@ from .config import Config
 DEFAULT_GROWTH_STEPS = 2000
 
 # The main job's runs, in the order they train and print.
-MAIN_RUNS = ("fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_dynamic_g5")
+MAIN_RUNS = (
+  "fp32",
+  "fp16",
+  "fp16_static",
+  "fp16_dynamic",
+  "fp16_autocast",
+  "fp16_dynamic_g5",
+)
 
 
 class Scaling(enum.Enum):
@@ -57,6 +64,10 @@ class RunSpec:
   gradients by R before the update (the all-reduce sum of R replicas
   holding the same batch).
 
+  ``autocast``: a float16 run's compute comes from ``ols.autocast`` around
+  the float32 model's loss, instead of the study's own casts (every
+  parameter to float16 in the loss, the logits back to float32).
+
   ``nan_batch_share``: the probability that a batch is corrupted (one NaN
   in its embedded activations, so its loss and gradients are NaN; which
   batches is drawn from each batch's key, the same for every run).
@@ -73,6 +84,9 @@ class RunSpec:
   >>> RunSpec("x", nan_batch_share=1.0)
   Traceback (most recent call last):
   ValueError: run 'x': nan_batch_share must be in [0, 1), not 1.0
+  >>> RunSpec("x", dtype="float32", autocast=True)
+  Traceback (most recent call last):
+  ValueError: run 'x': autocast computes in float16: dtype must be 'float16'
   """
 
   name: str
@@ -83,6 +97,7 @@ class RunSpec:
   replicas: int = 1
   nan_batch_share: float = 0.0
   backoff_on_nonfinite_loss: bool = True
+  autocast: bool = False
 
   def __post_init__(self) -> None:
     problem = _problem(self)
@@ -115,7 +130,7 @@ class RunSpec:
     ... # doctest: +NORMALIZE_WHITESPACE
     RunSpec(name='static 2**2', dtype='float16', scaling=<Scaling.STATIC:
     'static'>, initial_scale=4.0, growth_steps=None, replicas=1,
-    nan_batch_share=0.0, backoff_on_nonfinite_loss=True)
+    nan_batch_share=0.0, backoff_on_nonfinite_loss=True, autocast=False)
     """
     if "scaling" in value:
       return cls(**{**value, "scaling": Scaling(value["scaling"])})
@@ -135,6 +150,8 @@ def _problem(spec: RunSpec) -> str | None:
   """What is wrong with a spec's fields, if anything."""
   if spec.dtype not in _DTYPES:
     return f"dtype must be one of {sorted(_DTYPES)}, not {spec.dtype!r}"
+  if spec.autocast and spec.dtype != "float16":
+    return "autocast computes in float16: dtype must be 'float16'"
   if spec.replicas < 1:
     return f"replicas must be at least 1, not {spec.replicas}"
   if spec.scaling is Scaling.NONE and (
@@ -211,14 +228,23 @@ def dynamic(
   )
 
 
+def autocast(name: str = "fp16_autocast", replicas: int = 1) -> RunSpec:
+  """The float32 model under ``ols.autocast``, with dynamic loss scaling at
+  the library's defaults: ``fp16_dynamic`` without the study's own casts."""
+  return dataclasses.replace(
+    dynamic(name=name, replicas=replicas), autocast=True
+  )
+
+
 def main_specs(config: Config) -> tuple[RunSpec, ...]:
-  """The main job's five runs (``MAIN_RUNS``), at ``config.replicas``."""
+  """The main job's six runs (``MAIN_RUNS``), at ``config.replicas``."""
   r = config.replicas
   return (
     fp32(replicas=r),
     fp16(replicas=r),
     static(config.static_scale, "fp16_static", r),
     dynamic(name="fp16_dynamic", replicas=r),
+    autocast(replicas=r),
     dynamic(config.dynamic_scale, config.growth_steps, "fp16_dynamic_g5", r),
   )
 
@@ -289,7 +315,16 @@ def scale(spec: RunSpec, opt_state: Any) -> jax.Array:
 
 def loss(spec: RunSpec, depth: int) -> Callable[..., jax.Array]:
   """The run's loss, ``(params, x, y, taps=None) -> scalar``: in its dtype,
-  one replica's share of the mean."""
+  one replica's share of the mean. Under ``autocast``, the float32 loss
+  wrapped in ``ols.autocast``."""
+  if spec.autocast:
+    float32_loss = functools.partial(
+      model.loss_fn,
+      depth=depth,
+      compute_dtype=jnp.float32,
+      replicas=spec.replicas,
+    )
+    return ols.autocast(float32_loss)
   return functools.partial(
     model.loss_fn,
     depth=depth,

@@ -207,7 +207,7 @@ def run_study(
   progress: Progress | None = None,
   keep_params: bool = False,
 ) -> StudyResult:
-  """The main job: the five runs of ``runs.main_specs`` (default config:
+  """The main job: the six runs of ``runs.main_specs`` (default config:
   the README's command)."""
   setup = prepare(config or Config())
   return StudyResult(

@@ -122,9 +122,11 @@ class Evaluator:
         write(v, value, constant)
         made[v] = eqn
     outs, outcons = read(jaxpr.outvars)
-    if out_dtypes is not None:
+    if out_dtypes is not None:  # a literal output was made by no equation
       outs = [
-        self.cast_at(x, dtype, made.get(v))
+        self.cast_at(
+          x, dtype, made.get(v) if isinstance(v, _compat.Var) else None
+        )
         for x, v, dtype in zip(outs, jaxpr.outvars, out_dtypes, strict=True)
       ]
     return outs, outcons

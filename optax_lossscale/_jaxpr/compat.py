@@ -29,6 +29,7 @@ select with a warning (`skip`).
 """
 
 import contextlib
+import contextvars
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -211,6 +212,10 @@ def ruled_call_body(eqn: Any) -> Any:
   return body
 
 
+# The tracebacks of the calls evaluated in their callers' place (`inlined`).
+_INLINED: contextvars.ContextVar = contextvars.ContextVar("inlined", default=())
+
+
 @contextlib.contextmanager
 def inlined(eqn: Any) -> Any:
   """While a call's body is evaluated in the call's place: its equations
@@ -219,16 +224,25 @@ def inlined(eqn: Any) -> Any:
     name = eqn.params.get(_NAME_KEY) if eqn.primitive is jit_p else None
     if name:
       stack.enter_context(source_info.extend_name_stack(name))
+    calls = _INLINED.set((*_INLINED.get(), _traceback(eqn)))
+    stack.callback(_INLINED.reset, calls)
     yield
 
 
+def _traceback(eqn: Any) -> Any:
+  """`eqn`'s traceback, or its inlined call's where it has no user frame
+  (a jitted jax function's body, `jax.nn.log_softmax`'s, say)."""
+  own, calls = eqn.source_info.traceback, _INLINED.get()
+  if calls and _user_frames is not None and not any(_user_frames(own)):
+    return calls[-1]
+  return own
+
+
 def source_of(eqn: Any) -> contextlib.AbstractContextManager[Any]:
-  """Binds under `eqn`'s traceback and name stack, so that profiles and HLO
-  metadata keep them."""
-  info = eqn.source_info
+  """Binds under `_traceback(eqn)` and `eqn`'s name stack (HLO metadata)."""
   return source_info.user_context(
-    info.traceback,
-    name_stack=source_info.current_name_stack() + info.name_stack,
+    _traceback(eqn),
+    name_stack=source_info.current_name_stack() + eqn.source_info.name_stack,
   )
 
 
