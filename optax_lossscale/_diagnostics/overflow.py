@@ -1,13 +1,15 @@
-"""`find_overflow`: where the first harmful inf or NaN of a step is made, in
-the pass it belongs to, and how close every scope runs to float16's edges.
+"""`find_overflow`: the first harmful value of a step that is not finite,
+what made it and in which pass, and how close every scope runs to
+float16's edges.
 
-The function and its gradient are traced once (`jax.make_jaxpr` of the
-scaled loss's `value_and_grad`), and the trace is evaluated by
-`_jaxpr.interpret.evaluate` under one `jax.jit`, with a visitor
-(`finder.graph`) that reduces every floating-point value to a few numbers
-where it is made. The numbers come back as two small arrays; which value is
-the first harmful overflow is decided on the host (`finder.analysis`).
-Nothing runs on the host during the evaluation (no callback).
+`fun` is traced once (`jax.make_jaxpr`); the finder's interpreter
+(`finder.shadow`) then runs it operation by operation under one `jax.jit`,
+in its own dtypes and in its float32 shadow side by side, forward, then
+backward from each operation's derivative as jax computes it, and reduces
+every value to a few numbers (`finder.statistics`). The numbers come back
+as a few small arrays; what they mean is decided on the host
+(`finder.analysis`, `finder.verdict`). Nothing runs on the host during the
+run but the host callbacks `fun` itself makes, once each.
 """
 
 from collections.abc import Callable
@@ -17,17 +19,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._access.scale import scaled
 from optax_lossscale._diagnostics.finder import graph as _graph
-from optax_lossscale._diagnostics.finder.analysis import Analysis, Outputs
+from optax_lossscale._diagnostics.finder import primitives as _prims
+from optax_lossscale._diagnostics.finder import verdict as _verdict
+from optax_lossscale._diagnostics.finder.analysis import Facts
 from optax_lossscale._diagnostics.finder.compile import compile_for_one_run
 from optax_lossscale._diagnostics.finder.program import Program, scale_value
+from optax_lossscale._diagnostics.finder.shadow import (
+  Context,
+  Interpreter,
+  Val,
+)
+from optax_lossscale._diagnostics.finder.widen import widen
 from optax_lossscale._diagnostics.overflow_report import OverflowReport
-from optax_lossscale._jaxpr import compat
-from optax_lossscale._jaxpr import interpret as _interpret
 
 
 def find_overflow(
-  fun: Callable[..., Any], *args: Any, scale: Any = 1.0
+  fun: Callable[..., Any],
+  *args: Any,
+  scale: Any = 1.0,
+  masks: tuple[str, ...] = (),
 ) -> OverflowReport:
   """Finds the first harmful inf or NaN of a step, forward or back.
 
@@ -126,24 +138,35 @@ def find_overflow(
     >>> scaled.first.pass_name  # the cotangent 2**20 / 6 exceeds 65504
     'backward'
   """
+  _prims.require()
   value = scale_value(scale)
-  run = _Run(fun, args, value)
-  loss, (counts, magnitudes) = run.compiled(run.consts, run.inputs)
-  analysis = Analysis(
-    run.recorder.nodes,
-    jax.device_get(counts),
-    jax.device_get(magnitudes),
-    run.found["outputs"],
+  run = _Run(fun, args, value, masks)
+  loss, reference, bits, counts, magnitudes = run.compiled(
+    run.consts, run.differentiated, run.inputs, np.float32(value)
   )
-  return analysis.report(run.found["labels"], float(loss), value)
+  found = run.found
+  order = found["order"]
+  facts = Facts(
+    found["nodes"],
+    _by_row(jax.device_get(bits), order),
+    _by_row(jax.device_get(counts), order),
+    _by_row(jax.device_get(magnitudes), order),
+  )
+  outputs = _verdict.Outputs(
+    loss=found["loss"],
+    grads=found["grads"],
+    loss_value=float(loss),
+    reference_loss=float(reference),
+    labels=found["labels"],
+  )
+  return _verdict.report(facts, outputs, value)
 
 
-def compiled_program(
-  fun: Callable[..., Any], *args: Any, scale: Any = 1.0
-) -> Any:
-  """The finder's compiled program for `fun(*args)`, for its memory analysis
-  (`benchmarks/finder_memory.py`)."""
-  return _Run(fun, args, scale_value(scale)).compiled
+def _by_row(values: np.ndarray, order: np.ndarray) -> np.ndarray:
+  """`values` in reduction order, put in row order."""
+  rows = np.empty_like(values)
+  rows[order] = values
+  return rows
 
 
 class _Run:
@@ -151,7 +174,11 @@ class _Run:
   compiled, with what running it needs."""
 
   def __init__(
-    self, fun: Callable[..., Any], args: tuple[Any, ...], value: float
+    self,
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    value: float,
+    masks: Any,
   ):
     if not callable(fun):
       raise TypeError(
@@ -162,51 +189,83 @@ class _Run:
         "find_overflow needs `fun`'s arguments: find_overflow(fun, params,"
         " batch, ...); the gradient is taken with respect to the first."
       )
-    program = Program(fun, args)
-    with compat.custom_vjp_rules_keep_their_lines():
-      self._closed = jax.make_jaxpr(program)(
-        program.differentiated, program.inputs, jnp.float32(value)
-      )
-    self._kinds = [_graph.PARAMETER] * len(program.differentiated)
-    self._kinds += [_graph.INPUT] * len(program.inputs) + [_graph.SCALE]
-    self._names = [*program.labels, "the loss scale"]
-    self.recorder = _graph.Recorder()
-    self.found: dict[str, Any] = {}
-    self.inputs = [
-      *program.differentiated,
-      *program.inputs,
-      jnp.float32(value),
-    ]
-    self.consts = list(self._closed.consts)
-    lowered = jax.jit(self._instrumented).lower(self.consts, self.inputs)
-    self.compiled = compile_for_one_run(lowered, self.recorder.elements())
-
-  def _instrumented(self, consts: list[Any], inputs: list[Any]) -> Any:
-    """The program, each value measured where it is made: `(loss,
-    statistics)`."""
-    jaxpr, recorder = self._closed.jaxpr, self.recorder
-    arguments = zip(jaxpr.invars, self._kinds, self._names, inputs, strict=True)
-    node_of = {
-      v: recorder.source(kind, name, x) for v, kind, name, x in arguments
-    }
-    node_of.update(
-      (v, recorder.source(_graph.CONSTANT, "an array `fun` closes over", c))
-      for v, c in zip(jaxpr.constvars, consts, strict=True)
-    )
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, inputs, strict=True))
-    visitor = _graph.Measure(recorder, env, node_of, ())
-    # Re-binding folds casts of numbers in the code with numpy (a mask
-    # constant beyond float16's range, say): what it would warn of is
-    # what the finder measures.
+    self._program = program = Program(fun, args, masks)
+    # Tracing and re-binding fold casts of numbers in the code with numpy (a
+    # mask constant beyond float16's range, say): what numpy would warn of
+    # is what the finder measures.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-      outs = _interpret.evaluate(
-        jaxpr, consts, inputs, visitor, ruled_calls=True
+      self._closed = jax.make_jaxpr(program)(
+        program.differentiated, program.inputs
       )
-    nodes = [visitor.node(v) for v in jaxpr.outvars]
-    self.found["outputs"] = Outputs(nodes[0], nodes[1], nodes[2:])
-    self.found["labels"] = {
-      node_of[v]: name
-      for v, name in zip(jaxpr.invars, self._names, strict=True)
-    }
-    return outs[0], recorder.statistics()
+      loss = jax.ShapeDtypeStruct((), self._closed.out_avals[0].dtype)
+      self._scaling = jax.make_jaxpr(scaled)(loss, jnp.float32(value))
+      self.consts = list(self._closed.consts)
+      self.differentiated = program.differentiated
+      self.inputs = program.inputs
+      self.found: dict[str, Any] = {}
+      lowered = jax.jit(self._instrumented).lower(
+        self.consts, self.differentiated, self.inputs, np.float32(value)
+      )
+    self.compiled = compile_for_one_run(lowered, self.found["elements"])
+
+  def _instrumented(
+    self,
+    consts: list[Any],
+    differentiated: list[Any],
+    inputs: list[Any],
+    scale: Any,
+  ) -> tuple[Any, ...]:
+    """The program, forward and backward, each value measured: `(loss,
+    its float32 reference, bits, counts, magnitudes)`."""
+    recorder = _graph.Recorder()
+    run = Interpreter(recorder)
+    labels = iter(self._program.labels)
+    params = [
+      self._argument(recorder, _graph.PARAMETER, next(labels), x)
+      for x in differentiated
+    ]
+    kinds = [
+      _graph.MASK_INPUT if marked else _graph.INPUT
+      for marked in self._program.masks
+    ]
+    held = [
+      self._argument(recorder, kind, next(labels), x)
+      for kind, x in zip(kinds, inputs, strict=True)
+    ]
+    closed = run.constants(consts, "an array `fun` closes over")
+    (loss,) = run.forward(self._closed.jaxpr, closed, params + held, Context())
+    scale_node = recorder.source(_graph.SCALE, "the loss scale", scale, scale)
+    (scaled_loss,) = run.forward(
+      self._scaling.jaxpr,
+      run.constants(self._scaling.consts, "a constant of the loss scaling"),
+      [loss, Val(scale, scale, scale_node.index)],
+      Context(scaling=True),
+    )
+    ones = jnp.ones((), scaled_loss.value.dtype)
+    seed = recorder.source(_graph.SEED, "1", ones, widen(ones))
+    cotangents = run.backward(
+      {scaled_loss.node: Val(ones, widen(ones), seed.index)}
+    )
+    bits, counts, magnitudes, order = recorder.groups.results()
+    self.found.update(
+      nodes=recorder.nodes,
+      loss=loss.node,
+      grads=[cotangents[p.node].node for p in params if p.node in cotangents],
+      labels={
+        v.node: name
+        for v, name in zip(params + held, self._program.labels, strict=True)
+      },
+      order=order,
+      elements=recorder.elements(),
+    )
+    loss_value = jnp.asarray(loss.value, jnp.float32)
+    loss_shadow = jnp.asarray(loss.shadow, jnp.float32)
+    return loss_value, loss_shadow, bits, counts, magnitudes
+
+  @staticmethod
+  def _argument(
+    recorder: _graph.Recorder, kind: str, label: str, x: Any
+  ) -> Val:
+    shadow = widen(x)
+    node = recorder.source(kind, label, x, shadow)
+    return Val(x, shadow, node.index, kind == _graph.PARAMETER)
