@@ -2,7 +2,14 @@
 
 The public API is what this module exports; everything under a leading
 underscore is private and may change.
+
+`find_overflow` and the types it returns load on first use (module
+`__getattr__`): importing the package, and training with it, loads none of
+the finder.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from optax_lossscale._access.grad import value_and_grad as value_and_grad
 from optax_lossscale._access.readouts import dynamic_counter as dynamic_counter
@@ -29,7 +36,6 @@ from optax_lossscale._core.state import (
 from optax_lossscale._core.state import LossScaleState as LossScaleState
 from optax_lossscale._core.state import SkipStats as SkipStats
 from optax_lossscale._core.step import unscale_and_check as unscale_and_check
-from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
 from optax_lossscale._diagnostics.report import (
   raise_if_stuck as raise_if_stuck,
 )
@@ -48,10 +54,50 @@ del _public_type
 
 __version__ = "0.2.0"
 
+# Loaded on first use: the module each name is defined in.
+_LAZY = {
+  "find_overflow": "optax_lossscale._diagnostics.overflow",
+  "Overflow": "optax_lossscale._diagnostics.overflow_report",
+  "OverflowReport": "optax_lossscale._diagnostics.overflow_report",
+  "ScopeStats": "optax_lossscale._diagnostics.overflow_report",
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers
+  from optax_lossscale._diagnostics.overflow import (
+    find_overflow as find_overflow,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    Overflow as Overflow,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    OverflowReport as OverflowReport,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    ScopeStats as ScopeStats,
+  )
+
+
+def __getattr__(name: str) -> Any:
+  """A name of `_LAZY`, loaded on first use, then kept here."""
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})
+
+
 __all__ = (
   "LossScaleOptimizerState",
   "LossScaleState",
   "LossScaledTransformation",
+  "Overflow",
+  "OverflowReport",
+  "ScopeStats",
   "SkipStats",
   "all_finite",
   "dynamic_counter",

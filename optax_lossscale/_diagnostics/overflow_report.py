@@ -259,3 +259,11 @@ class OverflowReport:
   def _repr_html_(self) -> str:
     """Jupyter's display: the text, in a monospace block."""
     return f"<pre>{html.escape(str(self))}</pre>"
+
+
+# The public types say where users import them from (in `help()`, reprs,
+# pickles and the API page), not this private module; the package resolves
+# them on first use.
+for _public_type in (Overflow, ScopeStats, OverflowReport):
+  _public_type.__module__ = "optax_lossscale"
+del _public_type
