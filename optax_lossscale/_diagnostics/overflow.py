@@ -41,54 +41,67 @@ def find_overflow(
   scale: Any = 1.0,
   masks: tuple[str, ...] = (),
 ) -> OverflowReport:
-  """Finds the first harmful inf or NaN of a step, forward or back.
+  """Finds the first harmful inf or NaN of a step, forward or back, and
+  what made it, measured against float32.
 
   Runs ``fun(*args)`` (a scalar loss) and its gradient with respect to
-  ``args[0]`` once, at loss scale ``scale``, and checks every value every
-  operation makes. The first value that an operation makes not finite
-  (from finite inputs) and that reaches the loss or the gradients is named
-  by its pass, its primitive, its name scopes (``jax.named_scope``, Flax
-  Linen module paths, Equinox layer names), the line of user code that made
-  it and the call path there (module methods included, such as
+  ``args[0]`` once, at loss scale ``scale``, operation by operation, in
+  its own dtypes and in a float32 *shadow* side by side: the same
+  operations with float16 (and bfloat16, float8) computed in float32, on
+  the shadow's own values. Every value is compared with its shadow. The
+  first value, in program order, that an operation makes not finite (or a
+  bad input) and that changes the loss or the gradients is named by its
+  pass, its primitive, its name scopes (``jax.named_scope``, Flax Linen
+  module paths, Equinox layer names), the line of user code that made it
+  and the call path there (module methods included, such as
   ``MLP.__call__ > Linear.__call__``). Use it on the batch of a skipped
   step: it is a diagnosis, not part of training.
 
-  - **Masks.** An inf written in the code or passed in with the batch (a
-    ``-inf`` bias), or a constant or batch value that becomes an inf only
-    once cast to float16 (``-2.4e38``, finite in float32), is a mask, and
-    what it passes on is not an overflow. Masks are listed on a line of
-    their own. A NaN in the batch or in a closed-over array, and an inf or a
-    NaN in the parameters, are bad inputs, named as such.
-  - **Harmful.** A value that a ``where`` discards never reaches the loss
-    or the gradients: it is listed as discarded, and the first harmful one
-    is named. Whenever the loss or a gradient is not finite, the report
-    says where that came from (where a mask's inf reached the loss, if
-    nothing else).
-  - **The pass.** The forward pass is what the loss is computed from; the
-    backward pass is what the loss scale reaches. Values that jax computes
-    while tracing the forward pass but that serve the derivative (rsqrt's
-    ``-0.5 * x**-1.5``) are named as that derivative (``derivative_of``),
-    in the backward pass; they do not depend on the scale. ``loss * scale``
-    itself overflowing (a float16 loss) is the ``"loss scaling"`` pass.
+  - **What made it** (``Overflow.cause``). Where the float32 value is
+    finite, it is float16's range (``"range"``). Where it is not finite
+    in float32 either, it is data (an input argument, named by its
+    parameter), a mask (see ``masks``), or the program's own arithmetic
+    (a log of 0, a division by 0: ``"arithmetic"``). A number beyond
+    float16's range that the program casts to float16 is data where it
+    comes from an input, and a mask where the program writes it (Gemma's
+    ``-2.38e38``); an out-of-range gather's NaN is an index.
+  - **Masks.** An inf the program writes (a literal ``-inf``, an array it
+    closes over), a number it writes beyond float16's range and casts to
+    it, and the inputs named in ``masks`` are masks: what they pass on is
+    not an overflow, and they are listed on a line of their own. An input
+    not named there that holds an inf is data.
+  - **Harmful.** A value is harmful when its change reaches the loss or a
+    gradient: as infs and NaNs, or through an operation that turns them
+    into finite values far from float32's (an RMSNorm whose square
+    overflows: ``rsqrt(inf)`` is 0, the token's activations are zeroed,
+    and a finite loss changes). One that an operation turns back into
+    float32's own value (``tanh(inf)`` is 1, as in float32) or that a
+    ``where`` drops is listed, not named.
+  - **The pass**, from the program's structure. The finder builds the
+    gradient equation by equation from jax's own derivative rules: an
+    operation of ``fun`` is the forward pass; a value jax computes in the
+    forward pass for the backward one (rsqrt's ``-0.5 * x**-1.5``) is
+    that derivative's (``derivative_of``, and ``recomputed`` when
+    ``jax.checkpoint`` computes it again in the backward pass); an
+    operation of a backward rule is the backward pass, and computed from
+    the loss scale (``depends_on_scale``) where it is a cotangent.
+    ``loss * scale`` and the loss's cotangent are the loss scaling.
 
   For every scope and pass, the report also measures the float16 values
   against float16's two edges: the largest magnitude against 65504, the
-  smallest nonzero one against ``2**-24``, and the share *flushed* to zero:
-  values that an operation's float16 output holds as zero although the same
-  operation computed in float32 from the same inputs does not. Backward
-  values are proportional to the scale, so the largest says how far the
-  scale may grow before the backward pass overflows.
+  smallest nonzero one against ``2**-24``, and the share *flushed* to zero
+  (a cast's or an arithmetic operation's float16 output zero where the
+  same operation in float32, from the same inputs, is not). The backward
+  table holds the cotangents; its largest is how close the loss scale
+  runs to 65504.
 
-  Every floating-point output is checked for infs and NaNs; only float16
-  ones are measured against its range. bfloat16 has float32's range (up to
-  about ``3.4e38``), so it overflows where float32 does and needs no loss
-  scale. Calls (``jit``), ``remat`` and custom derivatives are entered;
-  ``scan``, ``while_loop`` and ``cond`` are not: a non-finite value coming
-  out of one is reported as made inside it.
-
-  The program reduces each value to a few numbers where it is made, so its
-  peak memory is close to a plain ``jax.value_and_grad``'s on the same
-  batch (``benchmarks/finder_memory.py`` measures it).
+  Calls (``jit``, donating or placing its arguments or not) and
+  ``jax.checkpoint`` are entered; a custom derivative runs as its rules,
+  whose operations are named by the line that calls the function
+  (``custom_rule``); ``scan``, ``while_loop`` and ``cond`` run whole, and a
+  value that comes out of one not finite is reported as made inside it.
+  Host callbacks and FFI calls run once, as written (never again in
+  float32), and what they return has no float32 shadow.
 
   Args:
     fun: the loss function, returning a floating-point scalar. Its first
@@ -102,19 +115,24 @@ def find_overflow(
       them by ``fun``'s parameter names.
     scale: the loss scale of the backward pass: a positive number, or any
       optimizer state that :func:`loss_scale` accepts (its current scale).
+    masks: names of ``fun``'s parameters (every array in them), or of
+      inputs in them (``"batch['mask']"``), whose infs are masks on
+      purpose (a ``-inf`` attention bias passed with the batch).
 
   Returns:
-    An ``OverflowReport``: false when the loss and the gradients are
-    finite. ``str(report)`` says
-    where (and prints a table of the scopes); ``report.first`` is the first
-    harmful non-finite value.
+    An ``OverflowReport``: false when nothing harmful was found.
+    ``str(report)`` says what and where (and prints a table of the
+    scopes); ``report.first`` is the first harmful value.
 
   Raises:
     TypeError: when ``fun`` is not callable or returns no floating-point
-      scalar array, when ``args[0]`` holds no floating-point array, or when
-      ``scale`` is neither a real number nor a state with a loss scale.
-    ValueError: when the loss is not a scalar, or ``scale`` is not a
-      positive finite number (float32's largest at most).
+      scalar array, when ``args[0]`` holds no floating-point array, when
+      ``scale`` is neither a real number nor a state with a loss scale, or
+      when ``masks`` is not a tuple of names.
+    ValueError: when the loss is not a scalar, ``scale`` is not a positive
+      finite number (float32's largest at most), or ``masks`` names no
+      input held fixed.
+    RuntimeError: on a jax that lacks a primitive the finder tells apart.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -131,12 +149,16 @@ def find_overflow(
     >>> first = report.first  # exp(16) is beyond float16's 65504
     >>> first.pass_name, first.scope, first.primitive, first.inf
     ('forward', 'attention', 'exp', 6)
+    >>> first.cause  # exp(16) is finite in float32
+    'range'
     >>> print(str(report).splitlines()[0])
-    Overflow in the forward pass (loss scale 1).
+    Overflow in the forward pass (loss scale 1): beyond float16's range.
     >>> scaled = ols.find_overflow(loss, jnp.full((4, 3), 0.5), x,
     ...                            scale=2.0**20)  # or an optimizer state
     >>> scaled.first.pass_name  # the cotangent 2**20 / 6 exceeds 65504
     'backward'
+    >>> scaled.first.depends_on_scale
+    True
   """
   _prims.require()
   value = scale_value(scale)

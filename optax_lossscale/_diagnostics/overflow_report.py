@@ -267,3 +267,11 @@ class OverflowReport:
 for _public_type in (Overflow, ScopeStats, OverflowReport):
   _public_type.__module__ = "optax_lossscale"
 del _public_type
+
+# Their examples run as this module's doctests (a type whose `__module__`
+# is another module's is left out of it otherwise).
+__test__ = {
+  "Overflow": Overflow,
+  "ScopeStats": ScopeStats,
+  "OverflowReport": OverflowReport,
+}
