@@ -177,15 +177,15 @@ def _marked(masks: Any, inputs: list[str], params: list[str]) -> list[bool]:
     hits = [i for i, label in enumerate(inputs) if _names(name, label)]
     if not hits:
       what = (
-        "the differentiated parameters, which are never masks"
+        "a differentiated parameter (never a mask)"
         if any(_names(name, label) for label in params)
-        else "no input"
+        else "no input of `fun`"
       )
       accepted = sorted({_root(label) for label in inputs})
       raise ValueError(
-        f"`masks` names {name!r}, which is {what}; it takes names of the"
-        f" inputs held fixed: {', '.join(accepted) or 'none'} (or inputs"
-        " in them)."
+        f"`masks` names {name!r}, {what}; it takes the names of the inputs"
+        f" held fixed: {', '.join(accepted) or 'none'} (or of inputs in"
+        " them)."
       )
     for i in hits:
       marks[i] = True
