@@ -20,18 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._access.scale import scaled
+from optax_lossscale._diagnostics.finder import chunks as _chunks
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder import primitives as _prims
+from optax_lossscale._diagnostics.finder import sources as _sources
+from optax_lossscale._diagnostics.finder import statistics as _statistics
 from optax_lossscale._diagnostics.finder import verdict as _verdict
 from optax_lossscale._diagnostics.finder.analysis import Facts
-from optax_lossscale._diagnostics.finder.compile import compile_for_one_run
+from optax_lossscale._diagnostics.finder.plan import Context, Plan
+from optax_lossscale._diagnostics.finder.primitives import is_float
 from optax_lossscale._diagnostics.finder.program import Program, scale_value
-from optax_lossscale._diagnostics.finder.shadow import (
-  Context,
-  Interpreter,
-  Val,
-)
-from optax_lossscale._diagnostics.finder.widen import widen
+from optax_lossscale._diagnostics.finder.widen import widen_dtype
 from optax_lossscale._diagnostics.overflow_report import OverflowReport
 
 
@@ -163,37 +162,13 @@ def find_overflow(
   _prims.require()
   value = scale_value(scale)
   run = _Run(fun, args, value, masks)
-  loss, reference, bits, counts, magnitudes = run.compiled(
-    run.consts, run.differentiated, run.inputs, np.float32(value)
-  )
-  found = run.found
-  order = found["order"]
-  facts = Facts(
-    found["nodes"],
-    _by_row(jax.device_get(bits), order),
-    _by_row(jax.device_get(counts), order),
-    _by_row(jax.device_get(magnitudes), order),
-  )
-  outputs = _verdict.Outputs(
-    loss=found["loss"],
-    grads=found["grads"],
-    loss_value=float(loss),
-    reference_loss=float(reference),
-    labels=found["labels"],
-  )
-  return _verdict.report(facts, outputs, value)
-
-
-def _by_row(values: np.ndarray, order: np.ndarray) -> np.ndarray:
-  """`values` in reduction order, put in row order."""
-  rows = np.empty_like(values)
-  rows[order] = values
-  return rows
+  with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    return run.report()
 
 
 class _Run:
-  """The finder's program for `fun(*args)`: traced, instrumented and
-  compiled, with what running it needs."""
+  """The finder's run of `fun(*args)`: planned, then run in chunks, each
+  value measured; then the report."""
 
   def __init__(
     self,
@@ -211,83 +186,90 @@ class _Run:
         "find_overflow needs `fun`'s arguments: find_overflow(fun, params,"
         " batch, ...); the gradient is taken with respect to the first."
       )
-    self._program = program = Program(fun, args, masks)
-    # Tracing and re-binding fold casts of numbers in the code with numpy (a
-    # mask constant beyond float16's range, say): what numpy would warn of
-    # is what the finder measures.
+    self.program = program = Program(fun, args, masks)
+    self.scale = value
+    # Tracing folds casts of numbers in the code with numpy (a mask
+    # constant beyond float16's range, say): what numpy would warn of is
+    # what the finder measures.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-      self._closed = jax.make_jaxpr(program)(
+      self.closed = jax.make_jaxpr(program)(
         program.differentiated, program.inputs
       )
-      loss = jax.ShapeDtypeStruct((), self._closed.out_avals[0].dtype)
-      self._scaling = jax.make_jaxpr(scaled)(loss, jnp.float32(value))
-      self.consts = list(self._closed.consts)
-      self.differentiated = program.differentiated
-      self.inputs = program.inputs
-      self.found: dict[str, Any] = {}
-      lowered = jax.jit(self._instrumented).lower(
-        self.consts, self.differentiated, self.inputs, np.float32(value)
-      )
-    self.compiled = compile_for_one_run(lowered, self.found["elements"])
+      loss = jax.ShapeDtypeStruct((), self.closed.out_avals[0].dtype)
+      self.scaling = jax.make_jaxpr(scaled)(loss, jnp.float32(value))
 
-  def _instrumented(
-    self,
-    consts: list[Any],
-    differentiated: list[Any],
-    inputs: list[Any],
-    scale: Any,
-  ) -> tuple[Any, ...]:
-    """The program, forward and backward, each value measured: `(loss,
-    its float32 reference, bits, counts, magnitudes)`."""
-    recorder = _graph.Recorder()
-    run = Interpreter(recorder)
-    labels = iter(self._program.labels)
-    params = [
-      self._argument(recorder, _graph.PARAMETER, next(labels), x)
-      for x in differentiated
+  def report(self) -> OverflowReport:
+    plan = Plan()
+    program = self.program
+    arrays = [*program.differentiated, *program.inputs]
+    kinds = [_graph.PARAMETER] * len(program.differentiated) + [
+      _graph.MASK_INPUT if marked else _graph.INPUT for marked in program.masks
     ]
-    kinds = [
-      _graph.MASK_INPUT if marked else _graph.INPUT
-      for marked in self._program.masks
+    arguments = [
+      plan.value(jax.typeof(x), kind == _graph.PARAMETER and is_float(x))
+      for x, kind in zip(arrays, kinds, strict=True)
     ]
-    held = [
-      self._argument(recorder, kind, next(labels), x)
-      for kind, x in zip(kinds, inputs, strict=True)
-    ]
-    closed = run.constants(consts, "an array `fun` closes over")
-    (loss,) = run.forward(self._closed.jaxpr, closed, params + held, Context())
-    scale_node = recorder.source(_graph.SCALE, "the loss scale", scale, scale)
-    (scaled_loss,) = run.forward(
-      self._scaling.jaxpr,
-      run.constants(self._scaling.consts, "a constant of the loss scaling"),
-      [loss, Val(scale, scale, scale_node.index)],
+    consts = plan.constants(self.closed.consts)
+    (loss,) = plan.add(self.closed.jaxpr, consts, arguments, Context())
+    scale = plan.value(jax.typeof(jnp.float32(0)), False)
+    (scaled_loss,) = plan.add(
+      self.scaling.jaxpr,
+      plan.constants(self.scaling.consts),
+      [loss, scale],
       Context(scaling=True),
     )
-    ones = jnp.ones((), scaled_loss.value.dtype)
-    seed = recorder.source(_graph.SEED, "1", ones, widen(ones))
-    cotangents = run.backward(
-      {scaled_loss.node: Val(ones, widen(ones), seed.index)}
+    sources = [
+      (v, kind, label, x)
+      for v, kind, label, x in zip(
+        arguments, kinds, program.labels, arrays, strict=True
+      )
+    ]
+    sources += [
+      (v, _graph.CONSTANT, "an array the code closes over", item.array)
+      for v, item in enumerate(plan.values)
+      if item.array is not None
+    ]
+    sources.append(
+      (scale, _graph.SCALE, "the loss scale", np.float32(self.scale))
     )
-    bits, counts, magnitudes, order = recorder.groups.results()
-    self.found.update(
-      nodes=recorder.nodes,
-      loss=loss.node,
-      grads=[cotangents[p.node].node for p in params if p.node in cotangents],
+    nodes, measured, shadows = _sources.measure(sources)
+    chunks = _chunks.split(plan, {loss, scaled_loss})
+    runner = _chunks.Runner(plan, chunks, nodes)
+    runner.statistics.append(measured)
+    runner.rows = len(measured[2])
+    for (v, _, _, x), shadow, node in zip(sources, shadows, nodes, strict=True):
+      runner.arrays[v] = (x, shadow)
+      runner.node_of[v] = node.index
+    ones = np.ones((), plan.values[scaled_loss].aval.dtype)
+    seed = (ones, ones.astype(widen_dtype(ones.dtype)))
+    runner.prepare({loss, scaled_loss}, {scaled_loss: (*seed, -1)})
+    runner.forward({loss, scaled_loss})
+    loss16, loss32 = runner.arrays[loss]
+    node = _graph.Node(len(runner.nodes), _graph.SEED, "1", from_cotangent=True)
+    runner.nodes.append(node)
+    cotangents = runner.backward({scaled_loss: (*seed, node.index)})
+    facts = Facts(runner.nodes, *_gather(runner.statistics, runner.rows))
+    outputs = _verdict.Outputs(
+      loss=runner.node_of[loss],
+      grads=[cotangents[v][2] for v in arguments if v in cotangents],
+      loss_value=float(loss16),
+      reference_loss=float(loss32),
       labels={
-        v.node: name
-        for v, name in zip(params + held, self._program.labels, strict=True)
+        runner.node_of[v]: name
+        for v, name in zip(arguments, program.labels, strict=True)
       },
-      order=order,
-      elements=recorder.elements(),
     )
-    loss_value = jnp.asarray(loss.value, jnp.float32)
-    loss_shadow = jnp.asarray(loss.shadow, jnp.float32)
-    return loss_value, loss_shadow, bits, counts, magnitudes
+    return _verdict.report(facts, outputs, self.scale)
 
-  @staticmethod
-  def _argument(
-    recorder: _graph.Recorder, kind: str, label: str, x: Any
-  ) -> Val:
-    shadow = widen(x)
-    node = recorder.source(kind, label, x, shadow)
-    return Val(x, shadow, node.index, kind == _graph.PARAMETER)
+
+def _gather(
+  statistics: list[tuple[int, tuple[Any, ...], np.ndarray]], rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Every chunk's statistics, fetched at once, by global row."""
+  fetched = jax.device_get([stats for _, stats, _ in statistics])
+  counts = np.zeros((rows, _statistics.COUNTS), np.int64)
+  magnitudes = np.zeros((rows, 2), np.float64)
+  for (base, _, order), (c, m) in zip(statistics, fetched, strict=True):
+    index = base + np.asarray(order, np.int64)
+    counts[index], magnitudes[index] = c, m
+  return counts, magnitudes

@@ -27,7 +27,6 @@ further. A mask's infs are not followed: what a mask does is on purpose.
 """
 
 from collections.abc import Iterable
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,28 +46,23 @@ _SOURCES = {
 
 
 class Facts:
-  """Each node's facts, from the program's measurements (`bits`, `counts`
+  """Each node's facts, from the program's measurements (`counts`
   and `magnitudes` by row)."""
 
   def __init__(
-    self,
-    nodes: list[Node],
-    bits: np.ndarray,
-    counts: np.ndarray,
-    magnitudes: np.ndarray,
+    self, nodes: list[Node], counts: np.ndarray, magnitudes: np.ndarray
   ):
     self.nodes = nodes
     n = len(nodes)
-    self.bits = np.zeros(n, np.int64)
-    self.nan = np.zeros(n, np.int64)
-    self.inf = np.zeros(n, np.int64)
-    self.flushed = np.zeros(n, np.int64)
+    self.counts = np.zeros((n, _stats.COUNTS), np.int64)
     self.largest = np.zeros(n)
     self.smallest = np.full(n, np.inf)
     self.cause: list[str | None] = [None] * n
     for node in nodes:
       if node.row is not None:
-        self._read(node, bits, counts, magnitudes)
+        self.counts[node.index] = counts[node.row]
+        self.largest[node.index] = magnitudes[node.row, _stats.LARGEST]
+        self.smallest[node.index] = magnitudes[node.row, _stats.SMALLEST]
       elif node.value is not None:
         self._literal(node)
       elif node.layout and node.dtype is not None:
@@ -92,25 +86,33 @@ class Facts:
       for k in node.inputs:
         self.consumers[k].append(node.index)
 
-  def has(self, j: int, bit: int) -> bool:
-    return bool(self.bits[j] >> bit & 1)
+  @property
+  def nan(self) -> np.ndarray:
+    return self.counts[:, _stats.NAN]
+
+  @property
+  def inf(self) -> np.ndarray:
+    return self.counts[:, _stats.INF]
+
+  @property
+  def flushed(self) -> np.ndarray:
+    return self.counts[:, _stats.FLUSHED]
+
+  def has(self, j: int, column: int) -> bool:
+    """Whether node `j` has elements counted in `column`."""
+    return bool(self.counts[j, column])
 
   def nonfinite(self, j: int) -> bool:
     return bool(self.nan[j] + self.inf[j])
+
+  def both(self, j: int) -> bool:
+    """Whether node `j` has elements not finite in float32 too."""
+    return bool(self.nan[j] + self.inf[j] > self.counts[j, _stats.RANGE])
 
   def floats(self, node: Node) -> list[int]:
     return [k for k in node.inputs if self.nodes[k].dtype is not None]
 
   # ---------------------------------------------------------- measurement
-
-  def _read(self, node: Node, bits: Any, counts: Any, magnitudes: Any) -> None:
-    i, row = node.index, node.row
-    self.bits[i] = int(bits[row])
-    self.nan[i] = counts[row, _stats.COUNT_NAN]
-    self.inf[i] = counts[row, _stats.COUNT_INF]
-    self.flushed[i] = counts[row, _stats.COUNT_FLUSHED]
-    self.largest[i] = magnitudes[row, _stats.LARGEST]
-    self.smallest[i] = magnitudes[row, _stats.SMALLEST]
 
   def _literal(self, node: Node) -> None:
     """A number in the program: its shadow is the same number, widened."""
@@ -119,10 +121,9 @@ class Facts:
       value = np.concatenate([value.real.ravel(), value.imag.ravel()])
     value = value.astype(np.float64)
     nan, finite = np.isnan(value), np.isfinite(value)
-    self.nan[i] = int(nan.any())
-    self.inf[i] = int((~finite & ~nan).any())
-    if not finite.all():
-      self.bits[i] |= 1 << _stats.BOTH | int(nan.any()) << _stats.SHADOW_NAN
+    self.counts[i, _stats.NAN] = int(nan.sum())
+    self.counts[i, _stats.INF] = int((~finite & ~nan).sum())
+    self.counts[i, _stats.SHADOW_NAN] = int(nan.sum())
     kept = np.abs(value[finite])
     self.largest[i] = float(kept.max()) if kept.size else 0.0
 
@@ -130,9 +131,7 @@ class Facts:
     """A layout operation: its elements are its inputs'."""
     i = node.index
     for k in self.floats(node):
-      self.bits[i] |= self.bits[k]
-      self.nan[i] = max(self.nan[i], self.nan[k])
-      self.inf[i] = max(self.inf[i], self.inf[k])
+      self.counts[i] = np.maximum(self.counts[i], self.counts[k])
       self.largest[i] = max(self.largest[i], self.largest[k])
 
   # ---------------------------------------------------------------- causes
@@ -171,10 +170,10 @@ class Facts:
     """Not finite in float32 too, where no input was (or a NaN where no
     input was NaN: an inf minus an inf)."""
     i = node.index
-    if not self.has(i, _stats.BOTH):
+    if not self.both(i):
       return False
     ins = self.floats(node)
-    if not any(self.has(k, _stats.BOTH) for k in ins):
+    if not any(self.both(k) for k in ins):
       return True
     return self.has(i, _stats.SHADOW_NAN) and not any(
       self.has(k, _stats.SHADOW_NAN) for k in ins

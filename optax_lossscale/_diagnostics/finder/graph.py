@@ -21,6 +21,7 @@ LITERAL = "literal"  # a number written in the program
 SCALE = "scale"  # the loss scale
 SEED = "seed"  # the cotangent the backward pass starts from
 OPERATION = "operation"
+EXTERNAL = "external"  # in a chunk's template: a value made outside it
 
 # What an operation is part of.
 FORWARD = "forward"  # the equation itself, computing what the loss needs
@@ -56,6 +57,9 @@ class Node:
   host_call: str | None = None  # the callback or FFI target that made it
   value: np.ndarray | None = None  # a literal's
   primitive: Any = None  # an operation's, the object (names change)
+  boundary: bool = False  # an operation holding a body it runs whole
+  step: int | None = None  # in a chunk's template: the step it belongs to
+  external: int | None = None  # an EXTERNAL node's place among the inputs
 
   @property
   def size(self) -> int:

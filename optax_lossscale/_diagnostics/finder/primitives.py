@@ -80,6 +80,11 @@ ELEMENTWISE = _objects(
   "tan_p", "tanh_p",
 )  # fmt: skip
 
+# Arithmetic whose float16 result may round to zero where float32's does
+# not: the finder recomputes it in float32 from the same inputs to count
+# what float16 flushed (casts are counted too, against the value cast).
+FLUSHING = _objects("mul_p", "div_p", "integer_pow_p", "square_p")
+
 # Operations whose float32 recomputation would not be the same operation.
 NO_REFERENCE = _objects(
   "bitcast_convert_type_p", "reduce_precision_p", "nextafter_p"

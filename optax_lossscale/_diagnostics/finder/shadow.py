@@ -1,17 +1,13 @@
-"""The finder's interpreter: `fun`'s program run operation by operation, in
-its own dtypes and in its float32 shadow side by side, forward and then
-backward, every value measured where it is made.
+"""A chunk of the program run in its own dtypes and in its float32 shadow
+side by side, operation by operation, forward or backward, every value
+measured where it is made: traced once per kind of chunk (`chunks`), into
+a template of the nodes it makes.
 
-The gradient is built here, equation by equation, from each equation's
-derivative as jax computes it (`rules`): the forward pass runs each
-equation's forward rule (the equation, and the values of its derivative
-that the backward pass keeps), the backward pass runs the backward rules
-in reverse order and adds the cotangents up. So the pass of every value
-comes from the program's structure: an equation of `fun`, its derivative,
-its backward rule, the finder's loss scaling. Calls (`jit`, whether it
-places or donates its arguments or not) and `jax.checkpoint` are entered;
-a custom derivative is run as its rules; `scan`, `while_loop` and `cond`
-run whole.
+Forward, a step runs its equation (or, where it is differentiated, its
+forward rule: the equation and the values of its derivative that the
+backward pass keeps); backward, the differentiated steps run their
+backward rules in reverse order, and the cotangents of a value used more
+than once are added up. The pass of every value comes from that structure.
 """
 
 import dataclasses
@@ -24,147 +20,86 @@ from jax import lax
 
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder import primitives as _prims
-from optax_lossscale._diagnostics.finder import rules as _rules
-from optax_lossscale._diagnostics.finder import source as _source
 from optax_lossscale._diagnostics.finder import widen as _widen
+from optax_lossscale._diagnostics.finder.plan import Step
 from optax_lossscale._jaxpr import compat
 
 
 class Val(NamedTuple):
-  """A value of the program, its float32 shadow, its node, and whether it
-  is computed from the differentiated parameters."""
+  """A value, its float32 shadow, and its node (in the template)."""
 
   value: Any
   shadow: Any
   node: int
-  tangent: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class Context:
-  """Where an equation is: the calls it is inside (outermost first), and
-  what they make of it."""
-
-  calls: tuple[Any, ...] = ()
-  remat: bool = False  # inside `jax.checkpoint`
-  scaling: bool = False  # the finder's own loss scaling
-
-
-@dataclasses.dataclass
-class _Entry:
-  """An equation whose backward rule the backward pass runs."""
-
-  rule: _rules.Rule
-  where: _source.Where
-  owner: Any  # the equation
-  context: Context
-  ins: list[Val]
-  outs: list[Val]
-  residuals: list[Val]
-
-
-class Interpreter:
-  """Runs a program forward, then backward, into `recorder`'s nodes."""
+class Tracer:
+  """Traces steps into `recorder` (a chunk's template): nodes carry their
+  step's position, and are named where the chunk is instantiated."""
 
   def __init__(self, recorder: _graph.Recorder):
     self.recorder = recorder
-    self._tape: list[_Entry] = []
-    self._where: dict[Any, _source.Where] = {}
-    self._rules: dict[Any, _rules.Rule] = {}
+
+  def external(
+    self, value: Any, shadow: Any, k: int, cotangent: bool = False
+  ) -> Val:
+    """The chunk's `k`-th input, made outside it (a cotangent, or not)."""
+    node = self.recorder.add(
+      _graph.EXTERNAL, label="", external=k, from_cotangent=cotangent
+    )
+    node.shape = tuple(np.shape(value))
+    if _prims.is_float(value):
+      node.dtype = str(value.dtype)
+    return Val(value, shadow, node.index)
+
+  def read(self, env: dict[Any, Val], ref: Any) -> Val:
+    if not isinstance(ref, compat.Literal):
+      return env[ref]
+    value = compat.literal_value(ref)
+    node = self.recorder.add(
+      _graph.LITERAL,
+      label=repr(ref.val),
+      static=True,
+      shape=tuple(np.shape(value)),
+      dtype=str(value.dtype) if _prims.is_float(value) else None,
+      value=np.asarray(value) if _prims.is_float(value) else None,
+    )
+    return Val(value, _widen.widen(value), node.index)
 
   # ---------------------------------------------------------------- forward
 
   def forward(
-    self,
-    jaxpr: Any,
-    consts: Sequence[Val],
-    args: Sequence[Val],
-    context: Context,
-  ) -> list[Val]:
-    """Evaluates `jaxpr` (open) on `consts` and `args`."""
-    env: dict[Any, Val] = {}
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-      ins = [self._read(env, v) for v in eqn.invars]
-      outs = self._equation(eqn, ins, context)
-      for v, out in zip(eqn.outvars, outs, strict=True):
-        if not isinstance(v, compat.DropVar):
-          env[v] = out
-    return [self._read(env, v) for v in jaxpr.outvars]
+    self, position: int, step: Step, ins: list[Val]
+  ) -> tuple[list[Val], list[Val]]:
+    """The step's outputs, and its residuals (none where it is not
+    differentiated)."""
+    if step.rule is None:
+      outs = self._operation(step.eqn, ins, _graph.FORWARD, step, position)
+      return outs, []
+    first = len(self.recorder.nodes)
+    forward = step.rule.forward
+    consts = self._constants(forward.consts)
+    outs = self.rule(
+      forward.jaxpr, consts, ins, _graph.DERIVATIVE, step, position
+    )
+    values = outs[: step.rule.outputs]
+    self._mark_equation(first, [v.node for v in values])
+    return values, outs[step.rule.outputs :]
 
-  def constants(self, values: Sequence[Any], label: str) -> list[Val]:
-    """Vals for the arrays a program closes over."""
+  def _constants(self, arrays: Sequence[Any]) -> list[Val]:
+    """A rule's constants: numbers in jax's rule, written as literals."""
     vals = []
-    for c in values:
-      shadow = _widen.widen(c)
-      node = self.recorder.source(_graph.CONSTANT, label, c, shadow)
-      vals.append(Val(c, shadow, node.index))
-    return vals
-
-  def _read(self, env: dict[Any, Val], v: Any) -> Val:
-    if isinstance(v, compat.Literal):
-      value = compat.literal_value(v)
+    for c in arrays:
       node = self.recorder.add(
         _graph.LITERAL,
-        label=repr(v.val),
+        label="a constant of jax's rule",
         static=True,
-        shape=tuple(np.shape(value)),
-        dtype=str(value.dtype) if _prims.is_float(value) else None,
-        value=np.asarray(value) if _prims.is_float(value) else None,
+        shape=tuple(np.shape(c)),
+        dtype=str(c.dtype) if _prims.is_float(c) else None,
+        value=np.asarray(c) if _prims.is_float(c) else None,
       )
-      return Val(value, _widen.widen(value), node.index)
-    return env[v]
-
-  def _equation(self, eqn: Any, ins: list[Val], context: Context) -> list[Val]:
-    tangents = [i for i, x in enumerate(ins) if x.tangent]
-    body = compat.call_body(eqn, keep_placement=False)
-    if body is not None:
-      return self._enter(eqn, body, ins, context)
-    body = compat.ruled_call_body(eqn)
-    remat = eqn.primitive is compat.remat_p
-    if body is not None and (remat or not tangents):
-      inner = dataclasses.replace(context, remat=context.remat or remat)
-      return self._enter(eqn, body, ins, inner)
-    if tangents:
-      try:
-        rule = _rules.rule_of(eqn, tangents, self._rules)
-      except Exception:  # not differentiable here: its outputs carry none
-        rule = None
-      if rule is not None:
-        return self._linearized(eqn, rule, ins, context)
-    return self._plain(eqn, ins, context)
-
-  def _enter(
-    self, eqn: Any, body: Any, ins: list[Val], context: Context
-  ) -> list[Val]:
-    consts = self.constants(body.consts, "an array the code closes over")
-    inner = dataclasses.replace(context, calls=(*context.calls, eqn))
-    return self.forward(body.jaxpr, consts, ins, inner)
-
-  def _plain(self, eqn: Any, ins: list[Val], context: Context) -> list[Val]:
-    where = self._where_of(eqn, context)
-    return self._operation(
-      eqn, ins, where, _graph.FORWARD, eqn, context, tangent=False
-    )
-
-  def _linearized(
-    self, eqn: Any, rule: _rules.Rule, ins: list[Val], context: Context
-  ) -> list[Val]:
-    where = self._where_of(eqn, context)
-    first = len(self.recorder.nodes)
-    forward = rule.forward
-    consts = self.constants(forward.consts, "a constant of jax's rule")
-    outs = self._run_rule(
-      forward.jaxpr, consts, ins, where, _graph.DERIVATIVE, eqn, context
-    )
-    values, residuals = outs[: rule.outputs], outs[rule.outputs :]
-    self._mark_equation(first, [v.node for v in values])
-    values = [
-      v._replace(tangent=_prims.is_float(v.value)) for v in values
-    ]  # fmt: skip
-    self._tape.append(_Entry(rule, where, eqn, context, ins, values, residuals))
-    return values
+      vals.append(Val(c, _widen.widen(c), node.index))
+    return vals
 
   def _mark_equation(self, first: int, outputs: list[int]) -> None:
     """Of the nodes from `first` on (a forward rule's), those the outputs
@@ -181,112 +116,95 @@ class Interpreter:
 
   # -------------------------------------------------------------- backward
 
-  def backward(self, seeds: dict[int, Val]) -> dict[int, Val]:
-    """Runs the backward rules in reverse order from the cotangents
-    `seeds` (by node); returns every node's cotangent."""
-    cotangents = dict(seeds)
-    for entry in reversed(self._tape):
-      floats = [o for o in entry.outs if _prims.is_float(o.value)]
-      found = [cotangents.pop(o.node, None) for o in floats]
-      if all(c is None for c in found):
-        continue
-      given = [
-        c if c is not None else self._zeros(o, entry)
-        for c, o in zip(found, floats, strict=True)
-      ]
-      backward = entry.rule.backward
-      consts = self.constants(backward.consts, "a constant of jax's rule")
-      ins_cts = self._run_rule(
-        backward.jaxpr,
-        consts,
-        [*entry.residuals, *given],
-        entry.where,
-        _graph.BACKWARD,
-        entry.owner,
-        entry.context,
-      )
-      for i, ct in zip(entry.rule.differentiated, ins_cts, strict=True):
-        self._accumulate(cotangents, entry.ins[i].node, ct, entry)
-    return cotangents
+  def backward(
+    self,
+    position: int,
+    step: Step,
+    residuals: list[Val],
+    cotangents: list[Val | None],
+    outs: list[Any],
+  ) -> list[Val]:
+    """The cotangents of the step's differentiated inputs, from those of
+    its outputs (None: zero)."""
+    assert step.rule is not None
+    floats = [
+      (ct, aval) for ct, aval in zip(cotangents, outs, strict=True)
+      if _prims.is_float(aval)
+    ]  # fmt: skip
+    given = [ct if ct is not None else self._zeros(aval) for ct, aval in floats]
+    backward = step.rule.backward
+    return self.rule(
+      backward.jaxpr,
+      self._constants(backward.consts),
+      [*residuals, *given],
+      _graph.BACKWARD,
+      step,
+      position,
+    )
 
-  def _zeros(self, like: Val, entry: _Entry) -> Val:
-    value = jnp.zeros(np.shape(like.value), like.value.dtype)
+  def _zeros(self, aval: Any) -> Val:
+    value = jnp.zeros(aval.shape, aval.dtype)
     node = self.recorder.add(
       _graph.LITERAL,
       label="0",
       static=True,
-      shape=tuple(np.shape(value)),
+      shape=tuple(aval.shape),
       dtype=str(value.dtype),
       value=np.zeros((), value.dtype),
     )
     return Val(value, _widen.widen(value), node.index)
 
-  def _accumulate(
-    self, cotangents: dict[int, Val], node: int, ct: Val, entry: _Entry
-  ) -> None:
-    before = cotangents.get(node)
-    if before is None:
-      cotangents[node] = ct
-      return
+  def add(self, before: Val, ct: Val, step: Step, position: int) -> Val:
+    """`before + ct`, two cotangents of one value, measured."""
     value, shadow = lax.add(before.value, ct.value), before.shadow + ct.shadow
     added = self.recorder.add(
       _graph.OPERATION,
       label="add_any",
       inputs=(before.node, ct.node),
-      where=dataclasses.replace(entry.where, primitive="add_any"),
       role=_graph.BACKWARD,
-      owner=entry.owner.primitive.name,
+      owner=step.eqn.primitive.name,
       primitive=_prims.ADD,
       from_cotangent=True,
+      step=position,
     )
     self.recorder.measure(added, value, shadow, [before.value, ct.value])
-    cotangents[node] = Val(value, shadow, added.index)
+    return Val(value, shadow, added.index)
 
   # ----------------------------------------------------------------- rules
 
-  def _run_rule(
+  def rule(
     self,
     jaxpr: Any,
     consts: Sequence[Val],
     args: Sequence[Val],
-    where: _source.Where,
     role: str,
-    owner: Any,
-    context: Context,
+    step: Step,
+    position: int,
   ) -> list[Val]:
-    """Evaluates a rule's `jaxpr`, each operation named by `owner`'s
-    `where` and its own primitive, calls inlined."""
+    """Evaluates a rule's `jaxpr`, calls inlined; each operation is named
+    by its step and its own primitive."""
     env: dict[Any, Val] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for op in jaxpr.eqns:
-      ins = [self._read(env, v) for v in op.invars]
+      ins = [self.read(env, v) for v in op.invars]
       body = compat.call_body(op, keep_placement=False)
       if body is None:
         body = compat.ruled_call_body(op)
       if body is not None:
-        inner = self.constants(body.consts, "a constant of jax's rule")
-        outs = self._run_rule(
-          body.jaxpr, inner, ins, where, role, owner, context
-        )
+        inner = self._constants(body.consts)
+        outs = self.rule(body.jaxpr, inner, ins, role, step, position)
       else:
-        outs = self._operation(op, ins, where, role, owner, context)
+        outs = self._operation(op, ins, role, step, position)
       for v, out in zip(op.outvars, outs, strict=True):
         if not isinstance(v, compat.DropVar):
           env[v] = out
-    return [self._read(env, v) for v in jaxpr.outvars]
+    return [self.read(env, v) for v in jaxpr.outvars]
 
   # ------------------------------------------------------------ operations
 
   def _operation(
-    self,
-    op: Any,
-    ins: list[Val],
-    where: _source.Where,
-    role: str,
-    owner: Any,
-    context: Context,
-    tangent: bool = False,
+    self, op: Any, ins: list[Val], role: str, step: Step, position: int
   ) -> list[Val]:
     """Binds `op` in its dtypes and in float32, a node for each output,
     each floating-point one measured."""
@@ -296,40 +214,34 @@ class Interpreter:
       shadows = _widen.bind_wide(op, [x.shadow for x in ins])
     except _widen.NoReference:
       shadows, reference = [_widen.widen(v) for v in values], False
-    layout, picker = _prims.is_layout(op), op.primitive in _prims.PICKERS
-    if op is not owner or compat.bodies(op):
-      where = dataclasses.replace(
-        where,
-        primitive=op.primitive.name,
-        boundary=op.primitive.name if compat.bodies(op) else None,
-      )
+    layout = _prims.is_layout(op)
+    nodes = self.recorder.nodes
     common = dict(
       label=op.primitive.name,
       primitive=op.primitive,
       inputs=tuple(x.node for x in ins),
-      where=where,
       role=role,
-      owner=owner.primitive.name,
+      owner=step.eqn.primitive.name,
       layout=layout,
-      picker=picker,
+      picker=op.primitive in _prims.PICKERS,
       reference=reference,
-      static=all(self.recorder.nodes[x.node].static for x in ins),
-      from_cotangent=any(
-        self.recorder.nodes[x.node].from_cotangent for x in ins
-      ),
-      recomputed=context.remat and role == _graph.DERIVATIVE,
-      custom_rule=_custom_rule(owner),
+      static=all(nodes[x.node].static for x in ins),
+      from_cotangent=any(nodes[x.node].from_cotangent for x in ins),
+      recomputed=step.context.remat and role == _graph.DERIVATIVE,
+      custom_rule=_custom_rule(step.eqn),
       host_call=compat.host_call_name(op) if compat.is_host_call(op) else None,
+      step=position,
     )
     outs = []
     for k, (value, shadow) in enumerate(zip(values, shadows, strict=True)):
       node = self.recorder.add(_graph.OPERATION, **common)
       node.shape = tuple(np.shape(value))
+      node.boundary = bool(compat.bodies(op))
       if _prims.is_float(value):
         node.dtype = str(value.dtype)
         if not layout:
           self._measure(node, op, k, value, shadow, ins)
-      outs.append(Val(value, shadow, node.index, tangent))
+      outs.append(Val(value, shadow, node.index))
     return outs
 
   def _measure(
@@ -345,38 +257,35 @@ class Interpreter:
           reference = _own_reference(op, k, ins)
     self.recorder.measure(node, value, shadow, positional, reference)
 
-  def _where_of(self, eqn: Any, context: Context) -> _source.Where:
-    key = (id(eqn), tuple(id(c) for c in context.calls), context.scaling)
-    found = self._where.get(key)
-    if found is None:
-      found = _source.where(
-        eqn, context.calls, boundary=bool(compat.bodies(eqn))
-      )
-      if context.scaling:
-        found = dataclasses.replace(found, scaling=True)
-      self._where[key] = found
-    return found
-
 
 def _own_reference(op: Any, k: int, ins: list[Val]) -> Any:
   """`op`'s `k`-th output computed in float32 from its own inputs (not
-  its shadow's): where it is not zero and the float16 output is, float16
-  flushed a value to zero."""
+  its shadow's), for a cast and for arithmetic: where it is not zero and
+  the float16 output is, float16 flushed a value to zero."""
   if op.primitive is _prims.CONVERT:
     return ins[0].value  # the value cast
+  if op.primitive not in _prims.FLUSHING:
+    return None
   try:
     return _widen.bind_wide(op, [_widen.widen(x.value) for x in ins])[k]
   except _widen.NoReference:
     return None
 
 
-def _custom_rule(owner: Any) -> str | None:
-  """The name of the function whose custom derivative `owner` calls."""
-  if owner.primitive not in (
-    compat.custom_jvp_call_p,
-    compat.custom_vjp_call_p,
-  ):
+def _custom_rule(eqn: Any) -> str | None:
+  """The name of the function whose custom derivative `eqn` calls."""
+  if eqn.primitive not in (compat.custom_jvp_call_p, compat.custom_vjp_call_p):
     return None
-  body = compat.ruled_call_body(owner)
+  body = compat.ruled_call_body(eqn)
   traced = None if body is None else compat.traced_function(body)
   return traced[0] if traced else "a function with a custom derivative"
+
+
+@dataclasses.dataclass
+class Template:
+  """What tracing a chunk made: its nodes (EXTERNAL ones stand for its
+  inputs), and which of them are its outputs."""
+
+  nodes: list[_graph.Node]
+  outputs: list[int]  # template nodes, in the order the chunk returns them
+  extra: Any = None  # what else the chunk's driver needs to know

@@ -22,7 +22,7 @@ from optax_lossscale._jaxpr import compat
 WIDE = np.dtype(np.float32)
 
 
-def wide_dtype(dtype: Any) -> Any:
+def widen_dtype(dtype: Any) -> Any:
   """float32 for a real floating-point dtype narrower than it; `dtype`
   otherwise."""
   if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
@@ -36,7 +36,7 @@ def wide_dtype(dtype: Any) -> Any:
 def widen(x: Any) -> Any:
   """`x` in its wide dtype (itself where that is its own)."""
   dtype = getattr(x, "dtype", None)
-  if dtype is None or wide_dtype(dtype) == dtype:
+  if dtype is None or widen_dtype(dtype) == dtype:
     return x
   return jax.lax.convert_element_type(x, WIDE)
 
@@ -88,7 +88,7 @@ def _widen_param(value: Any) -> Any:
     isinstance(value, type) and issubclass(value, np.generic)
   ):
     try:
-      return wide_dtype(value)
+      return widen_dtype(value)
     except TypeError:  # not a dtype numpy knows (an extended one)
       return value
   return value
@@ -98,7 +98,7 @@ def _widen_param(value: Any) -> Any:
 def _widened_body(body: Any) -> Any:
   """`body` (a `ClosedJaxpr`) traced again with its narrow floats wide."""
   avals = [
-    jax.ShapeDtypeStruct(v.aval.shape, wide_dtype(v.aval.dtype))
+    jax.ShapeDtypeStruct(v.aval.shape, widen_dtype(v.aval.dtype))
     for v in body.jaxpr.invars
   ]
   widened = jax.make_jaxpr(functools.partial(evaluate_wide, body))(*avals)
