@@ -107,7 +107,7 @@ class Facts:
 
   def both(self, j: int) -> bool:
     """Whether node `j` has elements not finite in float32 too."""
-    return bool(self.nan[j] + self.inf[j] > self.counts[j, _stats.RANGE])
+    return self.has(j, _stats.BOTH)
 
   def floats(self, node: Node) -> list[int]:
     return [k for k in node.inputs if self.nodes[k].dtype is not None]
@@ -123,7 +123,8 @@ class Facts:
     nan, finite = np.isnan(value), np.isfinite(value)
     self.counts[i, _stats.NAN] = int(nan.sum())
     self.counts[i, _stats.INF] = int((~finite & ~nan).sum())
-    self.counts[i, _stats.SHADOW_NAN] = int(nan.sum())
+    self.counts[i, _stats.SHADOW_NAN] = int(nan.any())
+    self.counts[i, _stats.BOTH] = int((~finite).any())
     kept = np.abs(value[finite])
     self.largest[i] = float(kept.max()) if kept.size else 0.0
 

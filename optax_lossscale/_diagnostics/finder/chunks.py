@@ -1,12 +1,13 @@
 """The program's steps run in chunks, each compiled once per kind.
 
-The plan is split into chunks of at most `STEPS` steps, and wherever its
-outermost name scope changes (`layer_0`, `layer_1`: the layers of a model
-start chunks of their own). A chunk's *kind* is what it computes: its
-steps' primitives, parameters, input types and wiring, not where they are
-in the code. Each kind is traced (`shadow.Tracer`) and compiled once,
-forward and backward, and run for every chunk of that kind: a model of a
-hundred identical layers is compiled as a few chunks. Compiling the whole
+The plan is split into chunks of at most `STEPS` steps, and wherever it
+enters or leaves one of several alike outermost name scopes (`layer_0`,
+`layer_1`: the layers of a model start chunks of their own). A chunk's
+*kind* is what it computes: its steps' primitives, parameters, input types
+and wiring, not where they are in the code. Each kind is traced
+(`shadow.Tracer`) and compiled once, forward and backward, and run for
+every chunk of that kind: a model of a hundred identical layers is
+compiled as a few chunks. Compiling the whole
 program at once, measured beside its float32 shadow, took the compiler
 about ten times a plain `value_and_grad`'s work.
 
@@ -19,6 +20,7 @@ import copy
 import dataclasses
 import itertools
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,17 @@ def split(plan: Plan, kept: set[int]) -> list[Chunk]:
     chunk.key = _key(plan, chunk)
     chunks.append(chunk)
   return chunks
+
+
+def _repeated_scopes(plan: Plan) -> set[str]:
+  """The outermost scopes that are one of several alike (`layer_0`,
+  `layer_1`: the same name but for its numbers): a chunk starts where one
+  starts or ends, so that alike layers are chunked alike."""
+  names = {step.scope for step in plan.steps}
+  alike: dict[str, set[str]] = {}
+  for name in names:
+    alike.setdefault(re.sub(r"\d+", "#", name), set()).add(name)
+  return {name for group in alike.values() if len(group) > 1 for name in group}
 
 
 def last_reads(plan: Plan, chunks: list[Chunk]) -> dict[int, int]:
@@ -180,6 +193,11 @@ class Runner:
     self._residuals: list[tuple[list[Any], list[Any], list[int]]] = []
     self._where: dict[int, _source.Where] = {}
     self._preparing = False
+    # How many chunks there are of each kind: a kind that runs many times
+    # is worth compiling to faster code.
+    self._runs: dict[Any, int] = {}
+    for chunk in chunks:
+      self._runs[chunk.key] = self._runs.get(chunk.key, 0) + 1
     self._workers = concurrent.futures.ThreadPoolExecutor(
       max_workers=max(1, min(4, os.cpu_count() or 1))
     )
@@ -232,7 +250,7 @@ class Runner:
     found = self._compiled.get(("forward", chunk.key))
     if found is not None:
       return found
-    made: dict[str, Any] = {}
+    made: dict[str, Any] = {"key": chunk.key}
     plan = self.plan
 
     def run(values: list[Any], shadows: list[Any]) -> Any:
@@ -322,7 +340,7 @@ class Runner:
     found = self._compiled.get(key)
     if found is not None:
       return found
-    made: dict[str, Any] = {}
+    made: dict[str, Any] = {"key": chunk.key}
     plan = self.plan
     counts = self._compiled[("forward", chunk.key)].template.extra
     starts = np.cumsum([0, *counts])
@@ -407,7 +425,8 @@ class Runner:
   ) -> _Compiled:
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
       lowered = jax.jit(run).lower(*args)
-    elements = sum(
+    runs = self._runs.get(made["key"], 1)
+    elements = runs * sum(
       node.size for node in made["template"].nodes if node.row is not None
     )
     compiling = self._workers.submit(compile_for_one_run, lowered, elements)

@@ -51,8 +51,10 @@ def _statistics_of(a: np.ndarray) -> tuple[list[int], list[float]]:
   kept = a[finite]
   nonzero = kept[kept > 0]
   count = [0] * _stats.COUNTS
-  count[_stats.NAN] = count[_stats.SHADOW_NAN] = int(nan.sum())
+  count[_stats.NAN] = int(nan.sum())
   count[_stats.INF] = int((~finite & ~nan).sum())
+  count[_stats.SHADOW_NAN] = int(nan.any())  # the shadow: the value, widened
+  count[_stats.BOTH] = int((~finite).any())
   largest = float(kept.max()) if kept.size else 0.0
   smallest = float(nonzero.min()) if nonzero.size else np.inf
   return count, [largest, smallest]

@@ -1,7 +1,8 @@
-"""What each value is reduced to, on the device: six counts (NaN, inf, not
-finite where its float32 shadow is finite, NaN in the shadow, changed far
-from the shadow where an input was not finite, flushed to zero) and two
-magnitudes (the largest finite, the smallest nonzero).
+"""What each value is reduced to, on the device: counts of NaN and inf, of
+values changed far from the float32 shadow where an input was not finite,
+and of values flushed to zero; whether some value is not finite where its
+shadow is finite, or where it is not, and whether the shadow holds a NaN;
+and two magnitudes (the largest finite, the smallest nonzero).
 
 Values are reduced in groups: up to `GROUP` values of one size (small ones
 padded to a power of two) are stacked, in float32, beside their shadows,
@@ -17,15 +18,17 @@ import jax
 import numpy as np
 from jax import lax
 
-# Columns of the counts.
+# Columns of the counts (NaN and inf are counted; RANGE, BOTH and
+# SHADOW_NAN are 1 where some element is so).
 NAN = 0  # NaN
 INF = 1  # infinite
 RANGE = 2  # not finite, though its float32 shadow is finite
-SHADOW_NAN = 3  # NaN in the shadow
-ABSORBED = 4  # finite but far from its shadow (`_FAR`) where an input is
+BOTH = 3  # not finite, nor is its float32 shadow
+SHADOW_NAN = 4  # NaN in the shadow
+ABSORBED = 5  # finite but far from its shadow (`_FAR`) where an input is
 # not finite (elementwise): `rsqrt(inf)` is 0 where float32 gives 0.004
-FLUSHED = 5  # zero where the same operation in float32 is not
-COUNTS = 6
+FLUSHED = 6  # zero where the same operation in float32 is not
+COUNTS = 7
 # Columns of the magnitudes.
 LARGEST, SMALLEST = range(2)
 
@@ -181,59 +184,74 @@ def _stack(
 
 def _reduce_stacked(measured: list[Measured], size: int) -> list[jax.Array]:
   """The comparisons, made once on the stacked values, then reduced: one
-  vector per count and magnitude (in `lax`, as this runs for every group
-  while the program is traced)."""
+  vector per count and magnitude. Flags come from NaN-propagating maxima
+  (`max |a|` is NaN where some element is, inf where one is infinite), so
+  that each element costs a few operations (in `lax`, as this runs for
+  every group while the program is traced)."""
   a = _stack([m.value for m in measured], size, 0, np.float32)
   b = _stack([m.shadow for m in measured], size, 0, np.float32)
   shape = a.shape
-  int32 = np.int32
-  finite_a, finite_b = lax.is_finite(a), lax.is_finite(b)
-  nan_a = lax.ne(a, a)
-  not_finite = lax.bitwise_not(finite_a)
+  int32, float32 = np.int32, np.float32
   magnitude = lax.abs(a)
-  zero = lax.full(shape, 0, np.float32)
-  none = lax.full((len(measured),), 0, int32)
+  finite_a, finite_b = lax.is_finite(a), lax.is_finite(b)
+  zero = lax.full(shape, 0, float32)
+  inf = lax.full(shape, np.inf, float32)
   operands = [
-    lax.convert_element_type(nan_a, int32),
-    lax.convert_element_type(
-      lax.bitwise_and(not_finite, lax.bitwise_not(nan_a)), int32
-    ),
-    lax.convert_element_type(lax.bitwise_and(not_finite, finite_b), int32),
-    lax.convert_element_type(lax.ne(b, b), int32),
+    lax.convert_element_type(lax.ne(a, a), int32),  # NaN
+    lax.convert_element_type(lax.eq(magnitude, inf), int32),  # inf
+    lax.select(finite_b, magnitude, zero),  # not finite: RANGE
+    lax.select(finite_b, zero, magnitude),  # not finite: BOTH
+    lax.abs(b),  # NaN: SHADOW_NAN
+    lax.select(finite_a, magnitude, zero),  # LARGEST
+    lax.select(lax.gt(magnitude, zero), magnitude, inf),  # SMALLEST
   ]
+  inits = [int32(0), int32(0)] + [float32(0)] * 4 + [float32(np.inf)]
+  kinds = ["sum", "sum", "max", "max", "max", "max", "min"]
   positional = any(m.inputs_bad is not None for m in measured)
   checked = any(m.reference is not None for m in measured)
   if positional:
     bad = _stack([m.inputs_bad for m in measured], size, False, np.bool_)
-    scale = lax.max(lax.abs(b), lax.full(shape, _FLOOR, np.float32))
-    far = lax.gt(lax.abs(lax.sub(a, b)), lax.mul(scale, np.float32(_FAR)))
+    scale = lax.max(lax.abs(b), lax.full(shape, _FLOOR, float32))
+    far = lax.gt(lax.abs(lax.sub(a, b)), lax.mul(scale, float32(_FAR)))
     absorbed = lax.bitwise_and(
       lax.bitwise_and(finite_a, finite_b), lax.bitwise_and(bad, far)
     )
     operands.append(lax.convert_element_type(absorbed, int32))
+    inits.append(int32(0))
+    kinds.append("sum")
   if checked:
-    ref = _stack([m.reference for m in measured], size, 0, np.float32)
+    ref = _stack([m.reference for m in measured], size, 0, float32)
     flushed = lax.bitwise_and(lax.eq(a, zero), lax.ne(ref, zero))
     operands.append(lax.convert_element_type(flushed, int32))
-  counted = len(operands)
-  operands.append(lax.select(finite_a, magnitude, zero))
-  operands.append(
-    lax.select(
-      lax.bitwise_and(finite_a, lax.gt(magnitude, zero)),
-      magnitude,
-      lax.full(shape, np.inf, np.float32),
+    inits.append(int32(0))
+    kinds.append("sum")
+  combine = {"sum": lax.add, "max": lax.max, "min": lax.min}
+
+  def reducer(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(combine[k](p, q) for k, p, q in zip(kinds, x, y, strict=True))
+
+  reduced = list(lax.reduce(tuple(operands), tuple(inits), reducer, (1,)))
+  nan, infs, in_range, in_both, shadow, largest, smallest = reduced[:7]
+  rest = iter(reduced[7:])
+  none = lax.full((len(measured),), 0, int32)
+  absorbed_count = next(rest) if positional else none
+  flushed_count = next(rest) if checked else none
+
+  def not_finite(maximum: jax.Array) -> jax.Array:
+    """Where a maximum of magnitudes is not finite, some one is not."""
+    return lax.convert_element_type(
+      lax.bitwise_not(lax.is_finite(maximum)), int32
     )
-  )
-  inits = [int32(0)] * counted + [np.float32(0), np.float32(np.inf)]
 
-  def combine(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
-    sums = [
-      lax.add(p, q) for p, q in zip(x[:counted], y[:counted], strict=True)
-    ]
-    return (*sums, lax.max(x[counted], y[counted]), lax.min(x[-1], y[-1]))
-
-  reduced = list(lax.reduce(tuple(operands), tuple(inits), combine, (1,)))
-  counts = reduced[:4]
-  counts.append(reduced[4] if positional else none)
-  counts.append(reduced[5 if positional else 4] if checked else none)
-  return [*counts, reduced[counted], reduced[counted + 1]]
+  shadow_nan = lax.convert_element_type(lax.ne(shadow, shadow), int32)
+  return [
+    nan,
+    infs,
+    not_finite(in_range),
+    not_finite(in_both),
+    shadow_nan,
+    absorbed_count,
+    flushed_count,
+    largest,
+    smallest,
+  ]
