@@ -110,8 +110,10 @@ def _head(report: "OverflowReport", first: "Overflow") -> list[str]:
       f" {what}: no float32 value to compare it with. It is made by:"
     )
   return [
-    f"Overflow in {_where(first)} (loss scale {scale}): beyond {dtype}'s"
-    " range.",
+    *_format.wrap(
+      f"Overflow in {_where(first)} (loss scale {scale}): beyond {dtype}'s"
+      " range."
+    ),
     *_format.wrap(_range_words(first, report)),
   ]
 
@@ -179,7 +181,7 @@ def advice(report: "OverflowReport") -> list[str]:
     hint = (
       f" If `{first.from_input}` is a mask, pass"
       f' `masks=("{first.from_input}",)`.'
-      if first.pass_name == "input" and first.from_input
+      if first.pass_name == "input" and first.from_input and not first.nan
       else ""
     )
     return [
@@ -290,10 +292,8 @@ def _window(report: "OverflowReport") -> list[str]:
   flushed = sum(s.flushed for s in backward)
   checked = sum(s.flush_checked for s in backward)
   if first is not None and not first.depends_on_scale:
-    text = (
-      "The value named above is not computed from the loss scale: no"
-      " scale keeps it in range."
-    )
+    text = "The value named above is not computed from the loss scale"
+    text += ": no scale keeps it in range." if first.cause == "range" else "."
   elif any(s.nonfinite for s in backward):
     text = (
       f"At loss scale {scale}, the backward pass's float16 cotangents are"

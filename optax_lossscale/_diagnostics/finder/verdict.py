@@ -9,6 +9,7 @@ from typing import Any
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder.analysis import Facts
 from optax_lossscale._diagnostics.finder.graph import Node
+from optax_lossscale._diagnostics.finder.primitives import ELEMENTWISE
 from optax_lossscale._diagnostics.overflow_report import (
   Overflow,
   OverflowReport,
@@ -77,7 +78,7 @@ def _where_masks_spread(facts: Facts, carried: set[int]) -> int:
     and facts.cause[j] != "mask"
     and not facts.nodes[j].layout
   ]
-  spread = [j for j in chain if not facts.nodes[j].elementwise]
+  spread = [j for j in chain if facts.nodes[j].primitive not in ELEMENTWISE]
   return (spread or chain or [min(carried)])[0]
 
 
