@@ -1,8 +1,9 @@
 """The program's steps run in chunks, each compiled once per kind.
 
-The plan is split into chunks of at most `STEPS` steps, and wherever it
-enters or leaves one of several alike outermost name scopes (`layer_0`,
-`layer_1`: the layers of a model start chunks of their own). A chunk's
+The plan is split wherever it enters or leaves one of several alike
+outermost name scopes (`layer_0`, `layer_1`: the layers of a model start
+chunks of their own); a run of steps that repeats (a loop of layers with
+no scopes) is cut at its period; the rest is cut every `STEPS` steps. A chunk's
 *kind* is what it computes: its steps' primitives, parameters, input types
 and wiring, not where they are in the code. Each kind is traced
 (`shadow.Tracer`) and compiled once, forward and backward, and run for
@@ -50,14 +51,8 @@ def split(plan: Plan, kept: set[int]) -> list[Chunk]:
   """The plan's steps in chunks; `kept` are values read after the last
   step (the loss)."""
   groups: list[list[int]] = []
-  for i, step in enumerate(plan.steps):
-    if (
-      not groups
-      or len(groups[-1]) == STEPS
-      or (step.scope != plan.steps[groups[-1][-1]].scope)
-    ):
-      groups.append([])
-    groups[-1].append(i)
+  for segment in _segments(plan):
+    groups += _periodic(plan, segment)
   made_in = {}
   for c, group in enumerate(groups):
     for i in group:
@@ -83,6 +78,70 @@ def split(plan: Plan, kept: set[int]) -> list[Chunk]:
     chunk.key = _key(plan, chunk)
     chunks.append(chunk)
   return chunks
+
+
+def _segments(plan: Plan) -> list[list[int]]:
+  """The steps, cut where they enter or leave one of several alike
+  scopes."""
+  repeated = _repeated_scopes(plan)
+  segments: list[list[int]] = []
+  for i, step in enumerate(plan.steps):
+    before = plan.steps[i - 1].scope if i else None
+    if not segments or (
+      step.scope != before and {step.scope, before} & repeated
+    ):
+      segments.append([])
+    segments[-1].append(i)
+  return segments
+
+
+def _periodic(plan: Plan, segment: list[int]) -> list[list[int]]:
+  """A segment in chunks: a run of steps that repeats with a period of at
+  most `STEPS` (a loop of layers written in Python, with no scopes), over
+  at least two chunks' length, is cut at its period, so that its chunks
+  are alike; the rest in chunks of `STEPS` steps."""
+  signatures = [_signature(plan.steps[i]) for i in segment]
+  groups: list[list[int]] = []
+  pending: list[int] = []
+  i = 0
+  while i < len(segment):
+    period, repeats = _repetition(signatures, i)
+    if period * repeats >= 2 * STEPS:
+      if pending:
+        groups.append(pending)
+        pending = []
+      for k in range(repeats):
+        start = i + k * period
+        groups.append(segment[start : start + period])
+      i += period * repeats
+      continue
+    pending.append(segment[i])
+    if len(pending) == STEPS:
+      groups.append(pending)
+      pending = []
+    i += 1
+  if pending:
+    groups.append(pending)
+  return groups
+
+
+def _repetition(signatures: list[Any], start: int) -> tuple[int, int]:
+  """`(period, repeats)` of the longest run of `signatures` from `start`
+  that repeats a block of at most `STEPS`; (1, 0) where none does."""
+  best = (1, 0)
+  for period in range(1, STEPS + 1):
+    block = signatures[start : start + period]
+    if len(block) < period:
+      break
+    repeats = 1
+    while (
+      signatures[start + repeats * period : start + (repeats + 1) * period]
+      == block
+    ):
+      repeats += 1
+    if repeats > 1 and period * repeats > best[0] * best[1]:
+      best = (period, repeats)
+  return best
 
 
 def _repeated_scopes(plan: Plan) -> set[str]:
