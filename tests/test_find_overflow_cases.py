@@ -464,3 +464,44 @@ def test_peak_memory_is_a_few_times_value_and_grads():
     ["--batch", "4096", "--depth", "8", "--width", "512"]
   )
   assert finder["rss_growth_bytes"] <= 5 * plain["rss_growth_bytes"]
+
+
+# -------------------------------------------------------------------- cost
+
+
+def _layers(params, x):
+  for i, w in enumerate(params):
+    with jax.named_scope(f"layer_{i}"):
+      x = x @ w.astype(F16)  # the identity: x stays 2**7
+  return jnp.sum(x.astype(F32))
+
+
+def test_alike_layers_compile_once_and_are_named_each(monkeypatch):
+  from optax_lossscale._diagnostics.finder import chunks
+
+  compiled = []
+  compile_for_one_run = chunks.compile_for_one_run
+
+  def spy(lowered, elements):
+    compiled.append(elements)
+    return compile_for_one_run(lowered, elements)
+
+  monkeypatch.setattr(chunks, "compile_for_one_run", spy)
+  x = jnp.full((2, 8), 2.0**7, F16)
+  counts = []
+  for depth in (4, 12):
+    params = [jnp.eye(8) for _ in range(depth)]
+    compiled.clear()
+    assert not ols.find_overflow(_layers, params, x)
+    counts.append(len(compiled))
+  assert counts[0] == counts[1]  # the layers' chunks are one kind
+  # The kind is shared; each chunk is named where it is: layer_9's product
+  # overflows (2**7 * 2**10 = 2**17).
+  params = [jnp.eye(8) for _ in range(12)]
+  params[9] = params[9] * 2.0**10
+  first = ols.find_overflow(_layers, params, x).first
+  assert (first.scope, first.primitive, first.pass_name) == (
+    "layer_9",
+    "dot_general",
+    "forward",
+  )
