@@ -133,8 +133,9 @@ class ScopeStats:
       operation, computed in float32 from the same inputs, gives a nonzero
       value; counted where the operation made them (a zero passed on is
       not counted again).
-    flush_checked: values for which that float32 reference exists (the
-      outputs of elementwise operations and of casts).
+    flush_checked: values for which that float32 reference is computed:
+      the outputs of casts to float16 and of float16 products, quotients
+      and powers.
 
   A value counts once, in its own pass. The backward table holds the
   cotangents: the values computed from the loss scale. The forward table

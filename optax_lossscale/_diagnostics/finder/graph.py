@@ -10,7 +10,6 @@ import numpy as np
 
 from optax_lossscale._diagnostics.finder import source as _source
 from optax_lossscale._diagnostics.finder import statistics as _statistics
-from optax_lossscale._diagnostics.finder.primitives import is_float
 
 # What a node is.
 PARAMETER = "parameter"  # differentiated
@@ -47,7 +46,6 @@ class Node:
   row: int | None = None  # its row of statistics, when measured
   layout: bool = False  # only rearranges its inputs' elements
   picker: bool = False  # picks some of its inputs' elements
-  elementwise: bool = False  # its code compares elements by position
   flush_checked: bool = False  # its code has FLUSHED
   reference: bool = True  # its shadow is a float32 reference
   static: bool = False  # computed from constants and literals alone
@@ -78,23 +76,6 @@ class Recorder:
     self.nodes.append(node)
     return node
 
-  def source(
-    self, kind: str, label: str, value: Any, shadow: Any, **fields: Any
-  ) -> Node:
-    """An argument, a constant, a literal or the seed: a node, measured if
-    floating point."""
-    node = self.add(
-      kind,
-      label=label,
-      static=kind in (CONSTANT, LITERAL),
-      from_cotangent=kind == SEED,
-      **fields,
-    )
-    node.shape = tuple(np.shape(value))
-    if is_float(value):
-      self.measure(node, value, shadow)
-    return node
-
   def measure(
     self,
     node: Node,
@@ -106,11 +87,6 @@ class Recorder:
     """Records `value`'s comparison with `shadow` as `node`'s."""
     node.dtype = str(value.dtype)
     node.shape = tuple(value.shape)
-    node.elementwise = inputs is not None
     node.flush_checked = reference is not None
     measured = _statistics.measure(value, shadow, inputs, reference)
     node.row = self.groups.add(measured)
-
-  def elements(self) -> int:
-    """How many values are measured in all."""
-    return sum(node.size for node in self.nodes if node.row is not None)
