@@ -8,8 +8,8 @@ underscore is private and may change.
 the finder.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from optax_lossscale._access.grad import value_and_grad as value_and_grad
 from optax_lossscale._access.readouts import dynamic_counter as dynamic_counter
@@ -62,7 +62,7 @@ _LAZY = {
   "ScopeStats": "optax_lossscale._diagnostics.overflow_report",
 }
 
-if TYPE_CHECKING:  # what the names are, for type checkers
+if _typing.TYPE_CHECKING:  # what the names are, for type checkers
   from optax_lossscale._diagnostics.overflow import (
     find_overflow as find_overflow,
   )
@@ -77,12 +77,12 @@ if TYPE_CHECKING:  # what the names are, for type checkers
   )
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
   """A name of `_LAZY`, loaded on first use, then kept here."""
   module = _LAZY.get(name)
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
+  value = getattr(_importlib.import_module(module), name)
   globals()[name] = value
   return value
 

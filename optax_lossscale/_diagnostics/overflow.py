@@ -242,12 +242,17 @@ class _Run:
       runner.node_of[v] = node.index
     ones = np.ones((), plan.values[scaled_loss].aval.dtype)
     seed = (ones, ones.astype(widen_dtype(ones.dtype)))
-    runner.prepare({loss, scaled_loss}, {scaled_loss: (*seed, -1)})
-    runner.forward({loss, scaled_loss})
-    loss16, loss32 = runner.arrays[loss]
-    node = _graph.Node(len(runner.nodes), _graph.SEED, "1", from_cotangent=True)
-    runner.nodes.append(node)
-    cotangents = runner.backward({scaled_loss: (*seed, node.index)})
+    try:
+      runner.prepare({loss, scaled_loss}, {scaled_loss: (*seed, -1)})
+      runner.forward({loss, scaled_loss})
+      loss16, loss32 = runner.arrays[loss]
+      node = _graph.Node(
+        len(runner.nodes), _graph.SEED, "1", from_cotangent=True
+      )
+      runner.nodes.append(node)
+      cotangents = runner.backward({scaled_loss: (*seed, node.index)})
+    finally:
+      runner.close()
     facts = Facts(runner.nodes, *_gather(runner.statistics, runner.rows))
     outputs = _verdict.Outputs(
       loss=runner.node_of[loss],

@@ -271,9 +271,15 @@ class Runner:
     try:
       self.forward(kept)
       self.backward(seeds)
+    except Exception:  # the run lowers, with its arrays, what is left
+      pass
     finally:
       self._preparing = False
       self.arrays, self.node_of, self._residuals = arrays, node_of, []
+
+  def close(self) -> None:
+    """Lets the compiling threads go."""
+    self._workers.shutdown(wait=False)
 
   # ---------------------------------------------------------------- forward
 
