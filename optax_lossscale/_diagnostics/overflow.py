@@ -24,6 +24,7 @@ from optax_lossscale._diagnostics.finder import chunks as _chunks
 from optax_lossscale._diagnostics.finder import graph as _graph
 from optax_lossscale._diagnostics.finder import primitives as _prims
 from optax_lossscale._diagnostics.finder import sources as _sources
+from optax_lossscale._diagnostics.finder import split as _split
 from optax_lossscale._diagnostics.finder import statistics as _statistics
 from optax_lossscale._diagnostics.finder import verdict as _verdict
 from optax_lossscale._diagnostics.finder.analysis import Facts
@@ -233,7 +234,7 @@ class _Run:
       (scale, _graph.SCALE, "the loss scale", np.float32(self.scale))
     )
     nodes, measured, shadows = _sources.measure(sources)
-    chunks = _chunks.split(plan, {loss, scaled_loss})
+    chunks = _split.split(plan, {loss, scaled_loss})
     runner = _chunks.Runner(plan, chunks, nodes)
     runner.statistics.append(measured)
     runner.rows = len(measured[2])

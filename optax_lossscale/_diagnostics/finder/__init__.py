@@ -7,8 +7,12 @@
 - `rules`: each equation's derivative as jax computes it, as a forward and
   a backward rule;
 - `widen`: an equation computed in float32 (the shadow);
-- `shadow`: the interpreter that runs the program and its float32 shadow
-  operation by operation, forward and backward;
+- `plan`: the program as a flat list of steps, calls entered;
+- `split`: the steps cut into chunks, and each chunk's kind;
+- `shadow`: a chunk run in its dtypes and in its float32 shadow, operation
+  by operation, forward or backward, traced once per kind;
+- `chunks`: the chunks run one after the other, each kind compiled once;
+- `sources`: the arguments and constants, measured on the host;
 - `graph`: the nodes (every value, and what is known of it);
 - `statistics`: the few numbers each value is reduced to, on the device;
 - `compile`: compile options for a program that runs once;
