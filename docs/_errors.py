@@ -367,6 +367,20 @@ MISUSE = Section(
       'ols.value_and_grad(loss_fn, grad_fn="jax")\n',
     ),
     Case(
+      "`find_overflow`'s arguments",
+      "def biased(w, bias):\n"
+      "  return jnp.sum(jnp.exp(w.astype(jnp.float16) + bias))\n"
+      "w, bias = jnp.ones(2), jnp.zeros(2, jnp.float16)\n"
+      "ols.find_overflow(biased, w, bias, scale=0.0)\n"
+      "ols.find_overflow(biased, w, bias, scale=sgd.init(w))\n"
+      'ols.find_overflow(biased, w, bias, masks="bias")  # a tuple of names\n'
+      'ols.find_overflow(biased, w, bias, masks=("w",))  # differentiated\n'
+      'ols.find_overflow(biased, w, bias, masks=("mask",))\n',
+      "`masks` names the inputs held fixed whose infs are masks on purpose:"
+      " `fun`'s parameters (every array in them), or inputs in them"
+      " (`\"batch['mask']\"`).",
+    ),
+    Case(
       "Keras configs",
       'typo = {"dynamic": True, "initial_scal": 1024.0}\n'
       "ols.from_keras_config(typo, sgd)\n"

@@ -2,7 +2,14 @@
 
 The public API is what this module exports; everything under a leading
 underscore is private and may change.
+
+`find_overflow` and the types it returns load on first use (module
+`__getattr__`): importing the package, and training with it, loads none of
+the finder.
 """
+
+import importlib as _importlib
+import typing as _typing
 
 from optax_lossscale._access.grad import value_and_grad as value_and_grad
 from optax_lossscale._access.readouts import dynamic_counter as dynamic_counter
@@ -38,7 +45,6 @@ from optax_lossscale._core.state import RecordedConfig as RecordedConfig
 from optax_lossscale._core.state import SkipEvents as SkipEvents
 from optax_lossscale._core.state import SkipStats as SkipStats
 from optax_lossscale._core.step import unscale_and_check as unscale_and_check
-from optax_lossscale._diagnostics.overflow import find_overflow as find_overflow
 from optax_lossscale._diagnostics.report import SkipReport as SkipReport
 from optax_lossscale._diagnostics.report import (
   raise_if_stuck as raise_if_stuck,
@@ -68,6 +74,43 @@ del _public_type
 
 __version__ = "0.2.0"
 
+# Loaded on first use: the module each name is defined in.
+_LAZY = {
+  "find_overflow": "optax_lossscale._diagnostics.overflow",
+  "Overflow": "optax_lossscale._diagnostics.overflow_report",
+  "OverflowReport": "optax_lossscale._diagnostics.overflow_report",
+  "ScopeStats": "optax_lossscale._diagnostics.overflow_report",
+}
+
+if _typing.TYPE_CHECKING:  # what the names are, for type checkers
+  from optax_lossscale._diagnostics.overflow import (
+    find_overflow as find_overflow,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    Overflow as Overflow,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    OverflowReport as OverflowReport,
+  )
+  from optax_lossscale._diagnostics.overflow_report import (
+    ScopeStats as ScopeStats,
+  )
+
+
+def __getattr__(name: str) -> _typing.Any:
+  """A name of `_LAZY`, loaded on first use, then kept here."""
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(_importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})
+
+
 __all__ = (
   "CountedSince",
   "Float16ParamsWarning",
@@ -76,7 +119,10 @@ __all__ = (
   "LossScaleOptimizerState",
   "LossScaleState",
   "LossScaledTransformation",
+  "Overflow",
+  "OverflowReport",
   "RecordedConfig",
+  "ScopeStats",
   "SkipEvents",
   "SkipReport",
   "SkipStats",

@@ -301,3 +301,14 @@ def test_autocast_tiny(capsys):
     for r in variants.values():
       assert r["run_s"] > 0 and r["compile_s"] > 0
       assert r["temp_bytes"] >= 0
+
+
+def test_finder_cost_tiny(capsys):
+  # One find_overflow call against a plain value_and_grad's first call,
+  # each in a fresh process; no timing is asserted.
+  runs = _load("finder_cost").main(["--tiny"])
+  out = capsys.readouterr().out
+  assert "finder / plain, wall" in out and "finder / plain, cpu" in out
+  (plain,), (finder,) = runs["plain"], runs["finder"]
+  assert plain["parameters"] == finder["parameters"] == 3 * 32 * 32
+  assert finder["found"] is False  # the tiny MLP is healthy

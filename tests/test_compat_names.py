@@ -122,3 +122,23 @@ def test_a_call_body_names_the_function_it_was_traced_from():
   (eqn,) = jax.make_jaxpr(jax.jit(double))(1.0).jaxpr.eqns
   body = _compat.call_body(eqn)
   assert _compat.traced_function(body) == ("double", __file__)
+
+
+def test_host_calls_are_known_by_their_names():
+  # jax exports no primitive object for host callbacks: compat knows them
+  # by name, and the finder runs them once, as written. A jax that renames
+  # one fails here.
+  def calls(x):
+    y = jax.pure_callback(
+      lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x
+    )
+    jax.experimental.io_callback(lambda a: None, None, x)
+    jax.debug.print("{}", x)
+    return y
+
+  eqns = jax.make_jaxpr(calls)(jnp.ones(2)).jaxpr.eqns
+  assert len(eqns) == 3
+  assert all(_compat.is_host_call(eqn) for eqn in eqns), [
+    eqn.primitive.name for eqn in eqns
+  ]
+  assert not _compat.is_host_call(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0])

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import optax_lossscale as ols
-from optax_lossscale._diagnostics import overflow as _overflow
+from optax_lossscale._diagnostics.finder import chunks as _chunks
 from optax_lossscale._diagnostics.finder import compile as _compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,8 +65,11 @@ def test_a_forward_overflow_is_named_by_scope_primitive_and_line():
   assert first.source.endswith("(attention_logits)")
   assert first.call_path == ("attention_logits",)
   assert first.boundary is None
+  assert first.cause == "range"  # finite in float32
   text = str(report)
-  assert text.startswith("Overflow in the forward pass (loss scale 1).")
+  assert text.startswith(
+    "Overflow in the forward pass (loss scale 1): beyond float16's range."
+  )
   assert "scope      attention" in text
   assert "dot_general -> float16[4,4]: 16 inf of 16 values" in text
 
@@ -115,7 +118,9 @@ def test_headroom_per_scope_is_exact():
   assert (seed.values, seed.largest, seed.doublings) == (4, 1, 15)
   grad = by_scope["backward", "layer"]  # d(loss)/dw = x = 2**6
   assert (grad.values, grad.largest, grad.doublings) == (4, 64, 9)
-  assert "the scale can double 9 more times" in " ".join(str(report).split())
+  assert "cotangent (a backward value computed from the scale) is 64: 9" in (
+    " ".join(str(report).split())
+  )
 
 
 def test_flushed_counts_values_that_float16_rounds_to_zero():
@@ -187,7 +192,7 @@ def test_an_inf_written_in_the_code_is_not_an_overflow():
 
   report = ols.find_overflow(masked, W4, X6, 1)
   assert not report and report.nonfinite_operations > 0
-  assert "Masks (infs written in the code or passed in" in str(report)
+  assert "Masks (infs the program writes" in str(report)
   # `jnp.where` is a `jit` whose body is handed the `-inf`: the mask is
   # the number written on the `where`'s line all the same.
   assert report.masks == (
@@ -316,14 +321,16 @@ def test_remat_and_custom_vjp_are_entered():
     h = amplify_grad(x.astype(F16) * w.astype(F16)) * F16(2**4)
     return jnp.sum(h.astype(jnp.float32))
 
-  # The backward rule runs in the backward pass, named by its own line.
+  # The backward rule runs in the backward pass, named by the line that
+  # calls the function (jax names its operations so).
   first = ols.find_overflow(custom_backward, W4, X6).first
   assert (first.primitive, first.boundary, first.pass_name) == (
     "mul",
     None,
     "backward",
   )
-  assert first.code.startswith("lambda _, g: (g * F16(2**12),)")
+  assert first.custom_rule == "amplify_grad" and first.depends_on_scale
+  assert first.code.startswith("h = amplify_grad(x.astype(F16)")
 
   @jax.custom_vjp
   def square(h):
@@ -503,10 +510,10 @@ def test_no_host_callback(monkeypatch):
     programs.append(lowered.as_text())
     return compile_for_one_run(lowered, elements)
 
-  monkeypatch.setattr(_overflow, "compile_for_one_run", spy)
+  monkeypatch.setattr(_chunks, "compile_for_one_run", spy)
   assert ols.find_overflow(layered, W4, X6, scale=2.0**10)
-  (program,) = programs
-  assert "callback" not in program.lower()
+  assert programs  # the chunks' programs, forward and backward
+  assert not any("callback" in program.lower() for program in programs)
 
 
 def test_the_report_displays_in_a_notebook():
@@ -549,6 +556,6 @@ def test_compile_options_a_jaxlib_lacks_are_left_out():
     {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
     {"xla_backend_optimization_level": 0},
   ]
-  options.clear()  # large programs: faster code, for a longer compile
+  options.clear()  # chunks that read much: faster code, a longer compile
   assert _compile.compile_for_one_run(Lowered(), 2**28) == "compiled"
-  assert options[-1] == {"xla_backend_optimization_level": 1}
+  assert options[-1] == {}  # the elemental emitters' option left out

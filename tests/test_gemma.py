@@ -130,6 +130,7 @@ def test_attention_logits_beyond_65504_finder():
   assert first.pass_name == "forward"
   assert first.primitive == "dot_general"
   assert first.scope.startswith("layer_1/attn")
+  assert first.cause == "range"  # the same logits are finite in float32
 
 
 # A gelu-cube overflow with a finite loss.
@@ -152,6 +153,8 @@ def test_gelu_cube_overflow_finder():
   assert first.pass_name == "backward"
   assert "integer_pow" in first.primitive
   assert first.scope.startswith("layer_0/mlp")
+  assert first.derivative_of == "integer_pow" and not first.depends_on_scale
+  assert first.cause == "range"
 
 
 # NaN batches.
@@ -175,6 +178,7 @@ def test_nan_batches_finder():
   assert first.pass_name == "input"
   assert "['weights']" in first.primitive
   assert first.nan == 1
+  assert first.cause == "data"
 
 
 # An inf loss with finite gradients.
@@ -203,6 +207,9 @@ def test_inf_loss_with_finite_gradients_finder():
   first = first_overflow(PARAMS, _batches(1, pad=True)[0])
   assert first.pass_name == "forward"
   assert first.scope.startswith("loss")
+  # The mask is the -inf the loss writes for the padding token; the gather
+  # of take_along_axis picks it where a target is padding.
+  assert first.from_mask and first.primitive == "gather"
 
 
 # A backward overflow at 2**24.
@@ -226,6 +233,7 @@ def test_backward_overflow_at_2_24_finder():
   assert first.pass_name == "backward"
   assert first.primitive == "dot_general"
   assert first.scope.startswith("decode")
+  assert first.depends_on_scale and first.cause == "range"
 
 
 # rsqrt's derivative at a tiny variance; the plain conversion's run.
@@ -276,6 +284,7 @@ def test_rsqrt_derivative_at_a_tiny_variance_finder():
   assert first.pass_name == "backward"
   assert "rsqrt" in first.primitive
   assert first.scope.startswith("layer_0/pre_attention_norm")
+  assert first.derivative_of == "rsqrt" and not first.depends_on_scale
 
 
 # A healthy step.

@@ -10,7 +10,6 @@ WIDTH = 76
 
 # float16's limits (IEEE 754 binary16).
 FLOAT16_MAX = 65504.0  # the largest finite number
-FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_SMALLEST = 2.0**-24  # the smallest positive (subnormal) number
 
 

@@ -9,16 +9,15 @@ and the frames and name stacks the overflow finder reports. `PRIMITIVES`
 and `INTERNALS` list each primitive, parameter key and internal name the
 package uses; tests/test_compat_names.py checks each on the running jax.
 
-What the overflow finder takes from here: `CALLS` and `RULED_CALLS` (through
-`interpret`), `bind` (its `map_params` widens a float16 equation for the
-float32 reference), `user_frames`, `traced_function` (where a call's
-body was written), `name_scopes`, the jaxpr types,
-`primitives` to match jax's own primitives by object
-(`eqn.primitive is compat.primitives.exp_p`), `literal_value` (a literal's
-value as an array of its dtype, whatever jax holds in it), `remat_p`, and
-`custom_vjp_rules_keep_their_lines` (jax's table of transposition rules
-and its source-information context, so that a `custom_vjp`'s backward rule
-is named by its own lines; where a jax lacks them, it changes nothing).
+What the overflow finder takes from here: `CALLS` and `RULED_CALLS`, their
+bodies (`call_body`, `ruled_call_body`, `bodies`), `bind` (its
+`map_params` widens an equation for the float32 shadow), `user_frames`,
+`traced_function` (where a call's body was written), `name_scopes`, the
+jaxpr types, `literal_value` (a literal's value as an array of its dtype,
+whatever jax holds in it), `remat_p`, and `is_host_call` (host callbacks
+and FFI calls, the few primitives jax exports no object for). It reads
+jax's state and never writes it: nothing here swaps a table entry or sets
+a context of jax's own.
 
 Everything else in the package uses public jax only. Where a name here goes
 away in a new jax, it resolves to None and the test above fails in CI; at
@@ -31,7 +30,7 @@ select with a warning (`skip`).
 import contextlib
 import contextvars
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -124,11 +123,21 @@ PRIMITIVES: dict[str, tuple[Any, tuple[str, ...]]] = {
   )
 }
 
-# jax's own primitives, by object, for the overflow finder: public in
-# `jax.extend.core.primitives` on every supported jax, but for
-# `optimization_barrier_p` (in `jax.lax` only).
-primitives = _primitives
-optimization_barrier_p = getattr(jax.lax, "optimization_barrier_p", None)
+# Host callbacks and FFI calls, by name: jax exports no primitive object for
+# them (`jax.extend.core.primitives` has none of these on any supported jax;
+# their objects live in `jax._src.callback` and `jax._src.ffi`). They run
+# code outside the program, so the overflow finder runs them once, as
+# written, never again in another dtype.
+_HOST_CALL_NAMES = frozenset(
+  {
+    "pure_callback",
+    "io_callback",
+    "debug_callback",
+    "debug_print",
+    "ffi_call",
+    "custom_call",
+  }
+)
 
 # Source information that `jax.extend.source_info_util` does not export
 # (on any supported jax): the user's frames, and the name stack's elements.
@@ -138,7 +147,6 @@ _Transform = getattr(_src_source_info, "Transform", None)
 # The other internal names the package uses, for the same test.
 INTERNALS: dict[str, Any] = {
   "DropVar": DropVar,
-  "lax.optimization_barrier_p": optimization_barrier_p,
   "source_info_util.user_frames": _user_frames,
   "source_info_util.Transform": _Transform,
 }
@@ -180,16 +188,20 @@ def bind(
   return list(outvals) if eqn.primitive.multiple_results else [outvals]
 
 
-def call_body(eqn: Any) -> Any:
+def call_body(eqn: Any, keep_placement: bool = True) -> Any:
   """The body (a `ClosedJaxpr`) of a call in `CALLS` that may be evaluated
   in its caller's place, or None.
 
   A `jit` that places its inputs or outputs (`in_shardings`,
-  `out_shardings`) or donates them is not: inlined, those would be lost.
+  `out_shardings`) or donates them is not, unless `keep_placement` is
+  false: inlined, those would be lost (the overflow finder, which only
+  reads values, loses nothing by it).
   """
   if eqn.primitive not in CALLS:
     return None
   body = eqn.params[_BODY_KEYS[eqn.primitive]]
+  if not keep_placement:
+    return body
   placed = [
     s
     for key in _PLACEMENT_KEYS
@@ -318,54 +330,42 @@ def _varying_axes(x: Any) -> frozenset[Any]:
   return frozenset(getattr(aval, "vma", ()))
 
 
-@contextlib.contextmanager
-def custom_vjp_rules_keep_their_lines() -> Iterator[None]:
-  """While the gradient program is traced, the operations of a
-  `custom_vjp`'s backward rule keep the lines of the rule.
+def bodies(eqn: Any) -> list[Any]:
+  """Every body `eqn` holds in its parameters (control flow's, a call's),
+  as `ClosedJaxpr`s."""
+  found: list[Any] = []
 
-  jax runs a backward rule when it transposes the rule's `custom_lin`
-  equation, under that equation's traceback: every operation of the rule
-  would be named by the line that called the function. Run under no
-  traceback (the name stack kept), they take their own. This reaches into
-  jax's table of transposition rules and its source-information context
-  (internals); where a jax lacks them, the rule's operations keep the
-  calling line.
-  """
-  try:
-    from jax._src import source_info_util
-    from jax._src.interpreters import ad
-    from jax.extend.core.primitives import custom_lin_p
+  def visit(value: Any) -> None:
+    if isinstance(value, ClosedJaxpr):
+      found.append(value)
+    elif isinstance(value, Jaxpr):
+      found.append(ClosedJaxpr(value, []))
+    elif isinstance(value, tuple | list):
+      for v in value:
+        visit(v)
 
-    # jax < 0.12: `primitive_transposes`; jax 0.12: `fancy_transposes`.
-    table = next(
-      table
-      for table in (
-        getattr(ad, "primitive_transposes", {}),
-        getattr(ad, "fancy_transposes", {}),
-      )
-      if custom_lin_p in table
-    )
-    rule = table[custom_lin_p]
-    state = source_info_util._source_info_context
-    state.context.name_stack  # noqa: B018 - the shape this relies on
-  except (ImportError, AttributeError, StopIteration):  # pragma: no cover
-    yield
-    return
+  for value in eqn.params.values():
+    visit(value)
+  return found
 
-  def transpose(*args: Any, **kwargs: Any) -> Any:
-    outer = state.context
-    fresh = source_info_util.new_source_info()
-    state.context = fresh.replace(name_stack=outer.name_stack)
-    try:
-      return rule(*args, **kwargs)
-    finally:
-      state.context = outer
 
-  table[custom_lin_p] = transpose
-  try:
-    yield
-  finally:
-    table[custom_lin_p] = rule
+def is_host_call(eqn: Any) -> bool:
+  """Whether `eqn` is a host callback or an FFI call (by name: see
+  `_HOST_CALL_NAMES`)."""
+  return eqn.primitive.name in _HOST_CALL_NAMES
+
+
+def host_call_name(eqn: Any) -> str:
+  """The name of the function a host callback calls, or the FFI target's;
+  the primitive's name where neither is known."""
+  for key in ("callback", "target_name", "call_target_name"):
+    value = eqn.params.get(key)
+    if isinstance(value, str):
+      return value
+    name = getattr(getattr(value, "callback_func", value), "__name__", None)
+    if isinstance(name, str):
+      return name
+  return eqn.primitive.name
 
 
 # The compute policy (`_autocast`): the primitives it names beyond those

@@ -3,7 +3,7 @@
 `evaluate` re-binds a jaxpr's equations one by one, under the equations' own
 source information, and calls a `Visitor` with each equation's outputs. The
 visitor may replace them (the skip selects inner-state values where they are
-made) or only look at them (the overflow finder measures them). Calls
+made) or only look at them. Calls
 (`jit`, `closed_call`) can be entered, so that what a visitor does inside
 them is seen by the rest of the computation; every other primitive is bound
 as it is, control flow included.
@@ -40,17 +40,11 @@ def evaluate(
   consts: Sequence[Any],
   args: Sequence[Any],
   visitor: Visitor,
-  *,
-  ruled_calls: bool = False,
 ) -> list[Any]:
   """Evaluates `jaxpr` (an open `Jaxpr`) on `consts` and `args`, handing
   every equation's outputs to `visitor`; returns the jaxpr's outputs.
 
-  The bodies of `compat.CALLS` are offered to `visitor.enter`; with
-  `ruled_calls`, those of `compat.RULED_CALLS` too (remat and custom
-  derivatives): entered, their rule is lost, so only a caller whose result
-  is neither differentiated nor compiled for its memory use may enter them
-  (the overflow finder does).
+  The bodies of `compat.CALLS` are offered to `visitor.enter`.
   """
   env: dict[Any, Any] = {}
 
@@ -69,14 +63,10 @@ def evaluate(
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     body = _compat.call_body(eqn)
-    if body is None and ruled_calls:
-      body = _compat.ruled_call_body(eqn)
     inner = None if body is None else visitor.enter(eqn, body)
     if inner is not None:
       with _compat.inlined(eqn):
-        outvals = evaluate(
-          body.jaxpr, body.consts, invals, inner, ruled_calls=ruled_calls
-        )
+        outvals = evaluate(body.jaxpr, body.consts, invals, inner)
     else:
       outvals = _compat.bind(eqn, invals)
     write(eqn.outvars, visitor.produced(eqn, outvals))

@@ -18,7 +18,7 @@ from optax_lossscale._jaxpr import compat as _compat
 
 
 def _primitives(*names: str) -> frozenset[Any]:
-  found = (getattr(_compat.primitives, name, None) for name in names)
+  found = (_compat.policy_primitive(name) for name in names)
   return frozenset(p for p in found if p is not None)
 
 

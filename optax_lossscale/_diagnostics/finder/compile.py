@@ -1,12 +1,14 @@
-"""Compile options for the finder's program, which runs once and reads
-nearly every value of the step.
+"""Compile options for the finder's chunks, each compiled once and run a
+few times, reading nearly every value they make.
 
 XLA:CPU compiles a program kernel by kernel; a program that reduces every
 intermediate value has a kernel for nearly every operation. The older
 elemental emitters compile those several times faster, and LLVM's
 optimization level trades compile time against the speed of the code:
-level 0 wins for small programs, level 1 for large ones. These are debug
-options of XLA, not an API: a jaxlib that lacks one compiles without it.
+level 0 wins for a chunk that reads little, the default level for one
+that reads much, many times (`benchmarks/README.md`, the finder's cost).
+These are debug options of XLA, not an API: a jaxlib that lacks one
+compiles without it.
 """
 
 from typing import Any
@@ -17,11 +19,9 @@ _QUICK_CPU_COMPILE = {
   "xla_cpu_use_fusion_emitters": False,
   "xla_backend_optimization_level": 0,
 }
-_LARGE_CPU_COMPILE = {
-  "xla_cpu_use_fusion_emitters": False,
-  "xla_backend_optimization_level": 1,
-}
-LARGE = 2**27  # elements a program reads, above which its code must be fast
+_LARGE_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+LARGE = 2**23  # elements a chunk reads in all its runs, above which its
+# code must be fast
 
 
 def compile_for_one_run(lowered: Any, elements: int) -> Any:

@@ -1,6 +1,7 @@
-"""The gradient program the finder measures: `fun`'s arguments split into
-what is differentiated (what the framework's own grad differentiates), the
-other arrays (inputs) and the rest (held as they are), and `scale` read."""
+"""The program the finder measures: `fun`'s arguments split into what is
+differentiated (what the framework's own grad differentiates), the other
+arrays (inputs, some of them marked as masks) and the rest (held as they
+are), and `scale` read."""
 
 import inspect
 import math
@@ -14,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._access import locate as _locate
-from optax_lossscale._access.scale import scaled
 from optax_lossscale._diagnostics.finder.primitives import is_float
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -107,8 +107,7 @@ def _is_float_array(x: Any) -> bool:
 
 
 class Program:
-  """`fun`'s gradient program, `(differentiated, inputs, scale) -> (loss,
-  scaled loss, grads)`.
+  """`fun` as a function of its arrays, `(differentiated, inputs) -> loss`.
 
   Attributes:
     differentiated: the arrays the gradient is taken with respect to: the
@@ -118,9 +117,12 @@ class Program:
     inputs: every other array, held fixed.
     labels: each differentiated array's and input's name, by `fun`'s
       parameter names (`weights['w']`).
+    masks: for each input, whether the user marks it as a mask.
   """
 
-  def __init__(self, fun: Callable[..., Any], args: Sequence[Any]):
+  def __init__(
+    self, fun: Callable[..., Any], args: Sequence[Any], masks: Any = ()
+  ):
     self._fun = fun
     flat, self._treedef = jax.tree_util.tree_flatten_with_path(tuple(args))
     self._leaves = [leaf for _, leaf in flat]
@@ -143,25 +145,62 @@ class Program:
       )
     self.differentiated = [self._leaves[i] for i in self._diff]
     self.inputs = [self._leaves[i] for i in self._input]
+    self.masks = _marked(
+      masks, self.labels[len(self._diff) :], self.labels[: len(self._diff)]
+    )
 
-  def __call__(
-    self, differentiated: list[Any], inputs: list[Any], scale: jax.Array
-  ) -> tuple[jax.Array, jax.Array, list[Any]]:
-    def scaled_loss(diff: list[Any]) -> tuple[jax.Array, Any]:
-      leaves = list(self._leaves)
-      for i, value in zip(self._diff, diff, strict=True):
-        leaves[i] = value
-      for i, value in zip(self._input, inputs, strict=True):
-        leaves[i] = value
-      args = jax.tree_util.tree_unflatten(self._treedef, leaves)
-      loss = checked_loss(self._fun(*args))
-      scaled_value = scaled(loss, scale)
-      return scaled_value, (loss, scaled_value)
+  def __call__(self, differentiated: list[Any], inputs: list[Any]) -> Any:
+    leaves = list(self._leaves)
+    for i, value in zip(self._diff, differentiated, strict=True):
+      leaves[i] = value
+    for i, value in zip(self._input, inputs, strict=True):
+      leaves[i] = value
+    return checked_loss(
+      self._fun(*jax.tree_util.tree_unflatten(self._treedef, leaves))
+    )
 
-    (_, (loss, scaled_value)), grads = jax.value_and_grad(
-      scaled_loss, has_aux=True
-    )(differentiated)
-    return loss, scaled_value, grads
+
+def _marked(masks: Any, inputs: list[str], params: list[str]) -> list[bool]:
+  """For each input label, whether `masks` names it: a parameter of `fun`
+  (every array in it) or an input's own label (`batch['mask']`)."""
+  if isinstance(masks, str) or not isinstance(masks, tuple | list):
+    raise TypeError(
+      "`masks` must be a tuple of names of `fun`'s parameters (or of"
+      f" inputs in them, as `\"batch['mask']\"`), got {masks!r}."
+    )
+  marks = [False] * len(inputs)
+  for name in masks:
+    if not isinstance(name, str):
+      raise TypeError(
+        f"`masks` must hold names (str), got {name!r} in {masks!r}."
+      )
+    hits = [i for i, label in enumerate(inputs) if _names(name, label)]
+    if not hits:
+      what = (
+        "a differentiated parameter (never a mask)"
+        if any(_names(name, label) for label in params)
+        else "no input of `fun`"
+      )
+      accepted = sorted({_root(label) for label in inputs})
+      raise ValueError(
+        f"`masks` names {name!r}, {what}; it takes the names of the inputs"
+        f" held fixed: {', '.join(accepted) or 'none'} (or of inputs in"
+        " them)."
+      )
+    for i in hits:
+      marks[i] = True
+  return marks
+
+
+def _names(name: str, label: str) -> bool:
+  return label == name or (label.startswith(name) and label[len(name)] in "[.")
+
+
+def _root(label: str) -> str:
+  for i, char in enumerate(label):
+    if char in "[.":
+      return label[:i]
+  return label
 
 
 def _differentiated_leaves(first: Any) -> list[bool]:
