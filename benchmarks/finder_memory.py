@@ -1,9 +1,10 @@
 """Peak memory of `find_overflow` against a plain `jax.value_and_grad` on the
-same batch, through an MLP in float16 (float32 master weights): how much
-the process's peak resident memory grows from before the function is
-traced to after its result is on the host (tracing, compiling and running
-included), each variant in a fresh process so that neither sees the
-other's allocations. Public API only.
+same batch, through an MLP in float16 (float32 master weights): how far
+the process's peak resident memory rises above its resident memory before
+the function is traced, until its result is on the host (tracing,
+compiling and running included), each variant in a fresh process so that
+neither sees the other's allocations. Public API only; Linux (the peak is
+read from /proc/self/status and started over there).
 
   python benchmarks/finder_memory.py            # batch 4096, 16 x 512
   python benchmarks/finder_memory.py --tiny     # seconds, for the smoke test
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -39,8 +39,21 @@ def _problem(args):
   return params, x
 
 
-def _peak_rss_bytes():
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux
+def _status_bytes(field):
+  """A memory figure of this process from /proc/self/status (Linux)."""
+  with open("/proc/self/status") as status:
+    for line in status:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024  # kB
+  raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss():
+  """Starts the peak (VmHWM) over from the resident memory now, so that
+  what importing jax and making the problem peaked at is not counted: a
+  run whose peak stayed below it would otherwise measure 0."""
+  with open("/proc/self/clear_refs", "w") as clear_refs:
+    clear_refs.write("5")
 
 
 def _measure(variant, args):
@@ -50,7 +63,8 @@ def _measure(variant, args):
 
   params, x = _problem(args)
   jax.block_until_ready((params, x))
-  before = _peak_rss_bytes()
+  _reset_peak_rss()
+  before = _status_bytes("VmRSS")
   start = time.perf_counter()
   if variant == "plain":
     jax.block_until_ready(jax.jit(jax.value_and_grad(mlp_loss))(params, x))
@@ -60,7 +74,7 @@ def _measure(variant, args):
   seconds = time.perf_counter() - start
   return {
     "variant": variant,
-    "rss_growth_bytes": _peak_rss_bytes() - before,
+    "rss_growth_bytes": _status_bytes("VmHWM") - before,
     "seconds": seconds,
   }
 

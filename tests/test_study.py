@@ -351,7 +351,7 @@ def test_held_scale_ignores_corrupted_batches(bad_batches):
   assert r.skip_stats["nonfinite_loss_steps"] == n
   text = _words(r.skip_report)
   assert f"the loss itself was not finite in {n} of {n}" in text
-  assert "the scale was left as it was" in text
+  assert "each of those steps left the scale as it was" in text
   assert "scale 2**15 -> 2**15" in text
 
 
