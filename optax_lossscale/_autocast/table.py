@@ -281,3 +281,16 @@ def rule(eqn: Any) -> Rule:
   if eqn.primitive is SCATTER and eqn.params.get("update_jaxpr") is not None:
     return Rule.TRACED
   return RULES.get(eqn.primitive, Rule.TRACED)
+
+
+def runs_in_float32(name: str) -> bool:
+  """Whether the policy runs the primitive called `name` (`"exp"`) in
+  float32, as the overflow finder names primitives.
+
+  Example:
+    >>> runs_in_float32("rsqrt"), runs_in_float32("dot_general")
+    (True, False)
+  """
+  return any(
+    rule is Rule.FLOAT32 and f"{name}_p" in names for rule, _, names in ROWS
+  )

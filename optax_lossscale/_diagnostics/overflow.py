@@ -12,6 +12,7 @@ as a few small arrays; what they mean is decided on the host
 run but the host callbacks `fun` itself makes, once each.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale import _autocast
 from optax_lossscale._access.scale import scaled
 from optax_lossscale._diagnostics.finder import chunks as _chunks
 from optax_lossscale._diagnostics.finder import graph as _graph
@@ -192,12 +194,19 @@ class _Run:
     # Tracing folds casts of numbers in the code with numpy (a mask
     # constant beyond float16's range, say): what numpy would warn of is
     # what the finder measures.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    # Which `ols.autocast` policies `fun` applies, recorded as it is traced:
+    # the advice names the fix that fits (a scope kept in float32, or the
+    # policy itself where `fun` runs under none).
+    with (
+      np.errstate(over="ignore", invalid="ignore", divide="ignore"),
+      _autocast.recording() as policies,
+    ):
       self.closed = jax.make_jaxpr(program)(
         program.differentiated, program.inputs
       )
       loss = jax.ShapeDtypeStruct((), self.closed.out_avals[0].dtype)
       self.scaling = jax.make_jaxpr(scaled)(loss, jnp.float32(value))
+    self.autocast = tuple(dict.fromkeys(p.dtype.name for p in policies))
 
   def report(self) -> OverflowReport:
     plan = Plan()
@@ -265,7 +274,8 @@ class _Run:
         for v, name in zip(arguments, program.labels, strict=True)
       },
     )
-    return _verdict.report(facts, outputs, self.scale)
+    found = _verdict.report(facts, outputs, self.scale)
+    return dataclasses.replace(found, autocast=self.autocast)
 
 
 def _gather(

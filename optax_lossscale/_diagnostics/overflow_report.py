@@ -220,6 +220,11 @@ class OverflowReport:
       float32's is), the first few in program order.
     reference_loss: the loss of the float32 shadow: the same program with
       float16 (and bfloat16 and float8) computed in float32.
+    autocast: the compute dtypes of the :func:`autocast` policies ``fun``
+      applied as the finder traced it (``("float16",)`` for
+      ``find_overflow(ols.autocast(loss_fn), ...)``); empty where it
+      applied none. The advice follows it: a scope to keep in float32
+      under the policy, or the policy itself.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -246,6 +251,7 @@ class OverflowReport:
   masks: tuple[str, ...] = ()
   discarded: tuple[Overflow, ...] = ()
   reference_loss: float | None = None
+  autocast: tuple[str, ...] = ()
 
   def __bool__(self) -> bool:
     return self.first is not None

@@ -7,6 +7,7 @@ or counted; `advice` words what to do from the facts alone."""
 import math
 from typing import TYPE_CHECKING
 
+from optax_lossscale._autocast import table as _policy_table
 from optax_lossscale._diagnostics import format as _format
 
 if TYPE_CHECKING:
@@ -205,8 +206,45 @@ def advice(report: "OverflowReport") -> list[str]:
       "A smaller loss scale keeps it in range; the dynamic scale backs off"
       " until it does."
     ]
+  if first.custom_rule is None:
+    fix = _autocast_fix(report, first)
+    if fix:
+      return [f"No loss scale fixes it; in float32 it is finite: {fix}."]
   scope = f" (scope `{first.scope}`)" if first.scope else ""
   return [f"No loss scale fixes it: compute this operation{scope} in float32."]
+
+
+def _autocast_fix(report: "OverflowReport", first: "Overflow") -> str | None:
+  """The `ols.autocast` call that computes `first`'s operation in float32:
+  the policy itself where `fun` ran under none and the policy's float32
+  list holds the operation (its derivative's, for a derivative); else
+  the name the finder gives it (a scope, or a module method on the call
+  path), which `keep_float32` accepts. None where there is neither."""
+  operation = first.derivative_of or first.primitive
+  if not report.autocast and _policy_table.runs_in_float32(operation):
+    return (
+      "`ols.autocast(loss_fn)`, on the model written in float32, computes"
+      f" `{operation}` and its derivative in float32"
+    )
+  name = _keepable_name(first)
+  if name is None:
+    return None
+  what = f"scope `{name}`" if name == first.scope else f"`{name}`"
+  return (
+    f'`ols.autocast(loss_fn, keep_float32=("{name}",))` computes {what}'
+    " in float32"
+  )
+
+
+def _keepable_name(first: "Overflow") -> str | None:
+  """The innermost name of `first` that `keep_float32` accepts and that is
+  narrower than the whole function: its name scopes, else the innermost
+  call on its path below the outermost (the loss function itself)."""
+  if first.scope:
+    return first.scope
+  if len(first.call_path) > 1:
+    return first.call_path[-1]
+  return None
 
 
 def _limit(dtype: str) -> float:

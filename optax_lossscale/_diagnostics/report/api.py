@@ -231,8 +231,9 @@ def raise_if_stuck(
       step 3: inf; scale 1 -> 1
     diagnosis:
       - the gradients overflowed to inf on 3 steps that ran at the floor (1): a
-        value or a derivative beyond float16's range (65504) even at that scale;
-        compute that part in float32, and find it with `ols.find_overflow`.
+        value or a derivative beyond float16's range (65504) even at that scale:
+        `ols.find_overflow` on a skipped step's batch names the operation and
+        how to compute it in float32 (an `ols.autocast` call where it can).
   """
   _check_limit("max_skips_at_floor", max_skips_at_floor)
   _check_limit("max_nonfinite_losses", max_nonfinite_losses)

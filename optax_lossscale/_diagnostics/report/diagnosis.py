@@ -15,6 +15,13 @@ NAMES_SHOWN = 6
 FIND_OVERFLOW = (
   "`ols.find_overflow` on a skipped step's batch names the operation"
 )
+# For float16's range the finder's advice names the fix: an `ols.autocast`
+# call where the operation has a name that `keep_float32` accepts or is on
+# the policy's float32 list.
+IN_FLOAT32 = (
+  "how to compute it in float32 (an `ols.autocast` call where it can)"
+)
+FIND_AND_FIX = f"{FIND_OVERFLOW} and, for float16's range, {IN_FLOAT32}"
 NOT_THE_SCALE = (
   "the overflow does not depend on the scale: run `ols.find_overflow` on a"
   " skipped step's batch"
@@ -195,15 +202,14 @@ def _at_the_floor_now(facts: Facts) -> str | None:
       f" ran at the floor ({floor}), with no non-finite loss recorded:"
       " float16's range exceeded in a value or a derivative (a norm of tiny"
       " values, rsqrt's derivative, a cube), or a bug (a log or square root"
-      f" of 0, a division by zero). {FIND_OVERFLOW}."
+      f" of 0, a division by zero). {FIND_AND_FIX}."
     )
   if not nan and all(e.nan_told_apart for e in at_floor):
     return (
       f"the gradients {_overflow_words(at_floor)} on {howmany} that ran at"
       f" the floor ({floor}): a value or a derivative beyond float16's"
       f" range ({_format.number(_format.FLOAT16_MAX)}) even at that scale"
-      f"{_lower_floor(at_floor[-1])}; compute that part in float32, and"
-      " find it with `ols.find_overflow`."
+      f"{_lower_floor(at_floor[-1])}: {FIND_OVERFLOW} and {IN_FLOAT32}."
     )
   untold = not all(e.nan_told_apart for e in at_floor)
   what = f"{len(nan)} with NaN, {len(at_floor) - len(nan)} with inf" + (
@@ -216,7 +222,7 @@ def _at_the_floor_now(facts: Facts) -> str | None:
     f" ({floor}) ({what}): float16's range"
     f" ({_format.number(_format.FLOAT16_MAX)}) exceeded in a value or a"
     " derivative even at that scale, or a bug (a log or square root of 0, a"
-    f" division by zero). {FIND_OVERFLOW}."
+    f" division by zero). {FIND_AND_FIX}."
   )
 
 
