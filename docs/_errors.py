@@ -5,7 +5,7 @@ last section, pins a behaviour). The code runs statement by statement in one
 namespace, in page order, as `doctest` runs the page; what each statement
 prints, and the exception it raises, is written into the page as a `pycon`
 block. `tests/test_errors_page.py` renders the page again and compares it
-with the committed one, and `tests/test_doc_snippets.py` runs its blocks as
+with the committed one, and `tests/test_doc_outputs.py` runs its blocks as
 doctests, so a changed message or error type fails a test.
 
 In the error sections every expression statement must raise and every other
@@ -62,7 +62,7 @@ Non-finite gradients are not errors: such steps are skipped and counted (see
 This page is generated: `python docs/_errors.py` runs every example below
 and writes the page with what it printed and raised.
 `tests/test_errors_page.py` runs them again and fails when a message or an
-error type differs from the page, and `tests/test_doc_snippets.py` runs the
+error type differs from the page, and `tests/test_doc_outputs.py` runs the
 page's blocks as doctests, in order, after this set-up:
 """
 

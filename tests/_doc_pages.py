@@ -1,6 +1,7 @@
 """The documentation's Markdown pages and their fenced blocks, shared by
-tests/test_doc_snippets.py (every block runs) and tests/test_doc_outputs.py
-(printed output matches what the blocks print)."""
+tests/test_doc_snippets.py (how blocks are fenced) and
+tests/test_doc_outputs.py (every block runs, and printed output matches
+what the blocks print)."""
 
 import contextlib
 import dataclasses
@@ -128,8 +129,8 @@ class PageRun:
 
 @functools.cache
 def run_page(path: pathlib.Path) -> PageRun:
-  """Runs a page once per test session: tests/test_doc_snippets.py checks
-  that it runs, tests/test_doc_outputs.py what it prints."""
+  """Runs a page once per test session: tests/test_doc_outputs.py checks
+  that it runs and what it prints."""
   page = page_id(path)
   namespace: dict = {"__name__": re.sub(r"\W", "_", page)}
   found = blocks(path)

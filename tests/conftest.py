@@ -72,7 +72,7 @@ FIRST = (
   "test_optax_sweep.py",
   "test_examples.py",
   "test_sharding.py",
-  "test_doc_snippets.py",
+  "test_doc_outputs.py",
 )
 
 

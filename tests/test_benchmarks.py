@@ -30,6 +30,7 @@ def _load(name):
   return load_file(BENCH / f"{name}.py", f"_bench_{name}")
 
 
+@pytest.mark.slow
 def test_overhead_tiny(capsys):
   results = _load("overhead").main(["--tiny", "--chained", "2"])
   out = capsys.readouterr().out
@@ -91,6 +92,7 @@ def test_compile_time_tiny(capsys):
   assert isinstance(module.target_met(results), bool)
 
 
+@pytest.mark.slow
 def test_leaf_stats_tiny(capsys):
   results = _load("leaf_stats").main(["--tiny"])
   out = capsys.readouterr().out
@@ -255,6 +257,7 @@ def test_sharded_tiny_no_gradient_sized_temporary(sharded_tiny):
   _assert_no_gradient_sized_temporary(sharded_tiny[0])
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
   strict=True,
   reason="issue 11: with shards of 2,048 elements per device (128x128"
@@ -303,6 +306,7 @@ def test_autocast_tiny(capsys):
       assert r["temp_bytes"] >= 0
 
 
+@pytest.mark.slow
 def test_finder_cost_tiny(capsys):
   # One find_overflow call against a plain value_and_grad's first call,
   # each in a fresh process; no timing is asserted.

@@ -146,6 +146,7 @@ loss_step = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
   steps=st.lists(loss_step, min_size=1, max_size=16),

@@ -69,6 +69,7 @@ def _pmap_step(tx, average_grads):
   return jax.pmap(step, axis_name="i")
 
 
+@pytest.mark.slow
 def test_pmap_axis_name_every_replica_skips():
   assert jax.device_count() >= N
   tx = ols.loss_scale_optimizer(

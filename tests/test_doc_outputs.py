@@ -1,11 +1,13 @@
-"""Printed output on the pages is what the code prints now.
+"""Every page's code runs, and the printed output on the pages is what the
+code prints now (tests/test_doc_snippets.py says how blocks are fenced
+and run; a page runs once, here, for both checks).
 
 Every page (README.md and docs/*.md, and the files docs/ includes) is read
 block by block. An output block is a ```text fence, or a fence without a
 language, right after the code that prints it:
 
 - after ```python blocks: the page's python blocks run in order in one
-  namespace (as tests/test_doc_snippets.py runs them), their stdout is
+  namespace (as test_page_runs runs them), their stdout is
   captured, and each output block must equal what the python blocks since
   the previous output block printed, line for line;
 - the float16 study's main job (`python notebooks/fp16_study.py`, minutes
@@ -173,7 +175,7 @@ def check_page(path, main_job_printed_fn) -> int:
   found = blocks(path)
   run = run_page(path) if path in PAGES else None
   if run is not None and run.failure is not None:
-    pytest.skip("the page does not run (tests/test_doc_snippets.py)")
+    pytest.skip("the page does not run (test_page_runs)")
   printed = ""  # by the python blocks since the last output block
   compared = 0
   previous = None
@@ -217,6 +219,16 @@ def _looks_like_output(block, previous) -> bool:
   if block.language == "text" and previous is not None:
     return previous.language in {"python", "bash", "text", ""}
   return False
+
+
+@pytest.mark.parametrize("path", page_params(PAGES))
+def test_page_runs(path):
+  skip, reason = SKIPS.get(page_id(path), (False, ""))
+  if skip:
+    pytest.skip(reason)
+  run = run_page(path)
+  if run.failure is not None:
+    pytest.fail(run.failure, pytrace=False)
 
 
 @pytest.mark.parametrize("path", page_params([*PAGES, *INCLUDED]))

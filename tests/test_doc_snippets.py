@@ -1,8 +1,11 @@
-"""Every code block of README.md and docs/*.md runs, page by page.
+"""How the code blocks of README.md and docs/*.md are fenced, which
+decides how tests/test_doc_outputs.py runs them (`test_page_runs`), page
+by page.
 
 The pages are found by glob, so a new page is covered without a change
-here; tests/_doc_pages.py runs each once per session, and
-tests/test_doc_outputs.py compares what they print with the page.
+here; tests/_doc_pages.py runs each once per session, and one test module
+both runs them and compares what they print with the page, so that a page
+runs once however the modules are spread over workers.
 For each page, its fenced blocks run in page order, in one fresh namespace
 (like one script), with the session's 8 CPU devices (tests/conftest.py).
 The fence's language decides what happens to a block:
@@ -29,27 +32,9 @@ block's index and line, and shows the block.
 import re
 
 import pytest
-from _doc_pages import (
-  PAGES,
-  SKIPS,
-  blocks,
-  page_id,
-  page_params,
-  run_page,
-  where,
-)
+from _doc_pages import PAGES, blocks, page_id, where
 
 OTHER_LIBRARIES = re.compile(r"\btf\.|keras|tensorflow|torch", re.I)
-
-
-@pytest.mark.parametrize("path", page_params(PAGES))
-def test_page_runs(path):
-  skip, reason = SKIPS.get(page_id(path), (False, ""))
-  if skip:
-    pytest.skip(reason)
-  run = run_page(path)
-  if run.failure is not None:
-    pytest.fail(run.failure, pytrace=False)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=page_id)

@@ -1,6 +1,6 @@
 """docs/errors.md is what docs/_errors.py writes today: every example on it
 runs again here, and the page must match, message for message. (The page's
-blocks also run as doctests in tests/test_doc_snippets.py.)"""
+blocks also run as doctests in tests/test_doc_outputs.py.)"""
 
 import difflib
 import pathlib

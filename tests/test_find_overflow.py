@@ -420,6 +420,7 @@ def _snapshot(tree):
   return [copy(leaf) for leaf in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_linen_example_is_located_to_its_module_path():
   example = _example("linen_trainstate_fp16")
   model = example.Classifier()
@@ -451,6 +452,7 @@ def test_linen_example_is_located_to_its_module_path():
   assert {"Classifier/Dense_0", "Classifier/Dense_1"} <= scopes
 
 
+@pytest.mark.slow
 def test_equinox_example_is_located_to_its_module():
   example = _example("equinox_mlp_fp16")
   model = example.MLP(8, 16, jax.random.key(0))

@@ -446,6 +446,7 @@ def _memory_benchmark():
   return load_file(root / "benchmarks" / "finder_memory.py")
 
 
+@pytest.mark.slow
 def test_the_memory_benchmark_runs_tiny(capsys):
   plain, finder = _memory_benchmark().main(["--tiny"])
   assert "finder / plain, rss_growth_bytes" in capsys.readouterr().out

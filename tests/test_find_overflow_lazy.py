@@ -12,6 +12,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import optax_lossscale as ols
 
@@ -55,6 +56,7 @@ def test_training_loads_no_finder_module():
   assert out.split() == ["True", "[]"]
 
 
+@pytest.mark.slow
 def test_a_jax_without_a_primitive_the_finder_knows_trains():
   # exp_p taken away before the package is imported: the package imports
   # and trains; the finder, on first use, names what this jax lacks.

@@ -138,6 +138,7 @@ _one_pass = jax.jit(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(same_shape_leaves())
 def test_leaves_read_together_match_the_elementwise_definition(leaves):

@@ -1,7 +1,7 @@
 """docs/float16_goes_wrong.md: what it starts with, and that every output
 it shows is checked.
 
-tests/test_doc_snippets.py runs the page's blocks as one script and its
+tests/test_doc_outputs.py runs the page's blocks as one script and its
 ```pycon blocks as doctests; these checks keep the page's printed output
 in those doctests, where a change in what the code prints fails the suite,
 rather than in text blocks that nothing compares.
@@ -52,7 +52,7 @@ def test_every_printed_output_is_a_doctest():
 
 
 def test_the_pycon_outputs_are_there():
-  # The reports the page shows, as doctests (test_doc_snippets runs them).
+  # The reports the page shows, as doctests (test_doc_outputs runs them).
   pycon = "".join(b.text for b in blocks(PAGE) if b.language == "pycon")
   assert pycon.count(">>> print(ols.skip_report(") >= 4
   assert "report.first.pass_name, report.first.scope" in pycon

@@ -101,6 +101,7 @@ def test_nnx_static_state_has_no_counter():
   assert ols.dynamic_counter(optimizer) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["optimizer", "opt_state", "assign"])
 def test_nnx_set_loss_scale_reaches_the_next_update(form):
   model, optimizer = _nnx_setup(initial_scale=256.0)
@@ -223,6 +224,7 @@ def test_value_and_grad_jax_gradients_are_exactly_scaled():
   )
 
 
+@pytest.mark.slow
 def test_value_and_grad_nnx_with_dropout_and_batchnorm_exactly_scaled():
   model, optimizer = _nnx_setup(initial_scale=2.0**10)
   twin = nnx.clone(model)
@@ -299,6 +301,7 @@ def test_value_and_grad_equinox_exactly_scaled():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", [_EqxModel, _EqxModelPlainFields])
 def test_equinox_standard_loop(model_type):
   model = model_type(jax.random.key(0))

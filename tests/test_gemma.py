@@ -112,6 +112,7 @@ def run(name):
 # An attention-logit overflow.
 
 
+@pytest.mark.slow
 def test_attention_logits_beyond_65504_report():
   _, opt_state, losses = run("attention")
   assert all(np.isnan(losses))
@@ -184,6 +185,7 @@ def test_nan_batches_finder():
 # An inf loss with finite gradients.
 
 
+@pytest.mark.slow
 def test_a_padding_target_makes_the_loss_inf_and_the_gradients_finite():
   b = _batches(1, pad=True)[0]
   loss, grads = jax.jit(jax.value_and_grad(_gemma.loss_fn))(PARAMS, b)
@@ -215,6 +217,7 @@ def test_inf_loss_with_finite_gradients_finder():
 # A backward overflow at 2**24.
 
 
+@pytest.mark.slow
 def test_backward_overflow_at_2_24_report():
   tx = ols.loss_scale_optimizer(optax.adam(1e-3), initial_scale=2.0**24)
   _, opt_state, losses = train(PARAMS, _batches(12), tx)
@@ -248,6 +251,7 @@ def test_the_plain_float16_conversion_never_trains():
   assert float(ols.loss_scale(opt_state)) == 1.0
 
 
+@pytest.mark.slow
 def test_the_conversion_with_float32_norms_trains():
   batches = _batches(4) * 5  # the same four batches, five times
   _, opt_state, losses = train(
@@ -279,6 +283,7 @@ def test_rsqrt_derivative_before_the_floor_is_facts_then_advice():
   )
 
 
+@pytest.mark.slow
 def test_rsqrt_derivative_at_a_tiny_variance_finder():
   first = first_overflow(SMALL_EMBEDDINGS, BATCH)
   assert first.pass_name == "backward"

@@ -90,6 +90,7 @@ step_strategy = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
   name=st.sampled_from(sorted(CONFIGS)),

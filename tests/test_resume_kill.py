@@ -66,6 +66,7 @@ def _load(path):
     return {k: data[k] for k in data.files}
 
 
+@pytest.mark.slow  # a process killed and resumed: about 8 s a case
 @pytest.mark.parametrize(
   "kill_after, nan_range",
   [
@@ -73,9 +74,7 @@ def _load(path):
     # The NaN streak (steps 10..15) spans the checkpoint at step 12 and
     # the kill that follows it: the checkpoint holds a streak in
     # progress (hysteresis=2, skip counters mid-count).
-    pytest.param(
-      12, (10, 16), id="kill-during-overflow-streak", marks=pytest.mark.slow
-    ),
+    pytest.param(12, (10, 16), id="kill-during-overflow-streak"),
   ],
 )
 def test_sigkill_then_resume_equals_uninterrupted(

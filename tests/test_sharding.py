@@ -120,8 +120,15 @@ def run_case(layout, axis_type, inner_name, grads_scale=2.0**10, donate=False):
     return mesh, params, out
 
 
+# Every layout on both meshes with adam in the fast subset; with sgd and
+# momentum as well in the whole suite.
 CASES = [
-  (layout, axis_type, inner)
+  pytest.param(
+    layout,
+    axis_type,
+    inner,
+    marks=[] if inner == "adam" else [pytest.mark.slow],
+  )
   for layout in LAYOUTS
   for axis_type in (AxisType.Explicit, AxisType.Auto)
   for inner in INNERS

@@ -173,6 +173,7 @@ def batch_on(mesh, bad_example=None, value=np.inf):
   }
 
 
+@pytest.mark.slow
 @AXIS_TYPES
 def test_one_examples_nonfinite_loss_on_one_device_skips_everywhere(
   axis_type,
@@ -221,6 +222,7 @@ def test_one_examples_nonfinite_loss_on_one_device_skips_everywhere(
 # Hysteresis and the static scale.
 
 
+@pytest.mark.slow
 @AXIS_TYPES
 @pytest.mark.parametrize(
   "config",
@@ -287,6 +289,7 @@ def stuck_message(state, tx):
   return None
 
 
+@pytest.mark.slow
 @AXIS_TYPES
 @pytest.mark.parametrize("case", sorted(STUCK))
 def test_raise_if_stuck_on_a_mesh_raises_as_on_one_device(axis_type, case):

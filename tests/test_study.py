@@ -104,6 +104,7 @@ def _product_dtypes(spec, params, x, y):
   ]
 
 
+@pytest.mark.slow
 def test_autocast_runs_the_products_the_study_casts_by_hand():
   setup = train.prepare(Config(steps=1, batch=256, max_chars=20_000))
   x, y = setup.probe_batch

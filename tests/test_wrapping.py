@@ -232,6 +232,7 @@ def test_traced_good_value_is_set():
 # --- read-outs on stacked states; scale_loss and update refuse them ---
 
 
+@pytest.mark.slow
 def test_readouts_on_a_vmap_ensemble_give_one_value_per_member():
   tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=8.0)
   stacked_params = {"w": jnp.ones((3, 2))}
