@@ -322,3 +322,32 @@ def test_shard_map_over_the_data_axis_only(axis_type):
     assert "overflowed to inf" not in words
     assert "step 2: inf or NaN; scale 1 -> 1" in words
     assert "where the check counts a NaN as an inf" in words
+
+
+def _head_loss(w, x):
+  with jax.named_scope("head"):
+    z = x.astype(jnp.float16) @ w.astype(jnp.float16)
+  return jnp.sum(jnp.exp(z).astype(jnp.float32)) * 2.0**-10
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+  "w_value, scale, pass_name",
+  [(4.0, 1.0, "forward"), (1.0, 2.0**20, "backward")],
+  ids=["exp(16) forward", "cotangent at 2**20"],
+)
+def test_the_finder_on_a_mesh_reports_as_on_one_device(
+  axis_type, w_value, scale, pass_name
+):
+  # Parameters sharded by column, the batch by row: the finder measures
+  # the same values and names the same operation as unsharded.
+  w, x = jnp.full((4, 8), w_value), jnp.ones((16, 4))
+  alone = ols.find_overflow(_head_loss, w, x, scale=scale)
+  assert alone.first.pass_name == pass_name
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    sharded = ols.find_overflow(_head_loss, ws, xs, scale=scale)
+  assert sharded.first == alone.first
+  assert str(sharded) == str(alone)

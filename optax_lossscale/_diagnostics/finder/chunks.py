@@ -43,7 +43,11 @@ class _Compiled:
   order: np.ndarray
 
   def run(self, *args: Any) -> Any:
-    return self.compiling.result()(*args)
+    executable = self.compiling.result()
+    # Placed as compiled: a kind is lowered from shapes, which on an `Auto`
+    # mesh say nothing of how the arrays that reach it are sharded.
+    placed = jax.device_put(args, executable.input_shardings[0])
+    return executable(*placed)
 
 
 class Runner:

@@ -86,7 +86,17 @@ def measure(
 
 
 def _flat(x: jax.Array) -> jax.Array:
-  return lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),))
+  return lax.reshape(_gathered(x), (int(np.prod(x.shape, dtype=np.int64)),))
+
+
+def _gathered(x: jax.Array) -> jax.Array:
+  """`x` replicated where it is sharded over an `Explicit` mesh axis: a
+  value is reduced whole, and jax types no reshape of such a value into
+  one dimension (on an `Auto` mesh the compiler places it)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if spec is None or all(axis is None for axis in spec):
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
 
 
 def _real32(x: jax.Array) -> jax.Array:
