@@ -341,6 +341,7 @@ def _worker_module():
   return load_file(_WORKER, "_multiprocess_worker")
 
 
+@pytest.mark.slow
 def test_two_processes_fsdp_explicit_mesh(two_processes):
   """FSDP on an Explicit mesh over both processes (4 devices each): params
   and adam state P('data', None), a NaN in one element of one gradient shard
