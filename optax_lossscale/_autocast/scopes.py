@@ -17,11 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from optax_lossscale._jaxpr import compat as _compat
+from optax_lossscale._jaxpr import frames as _user_frames
 
-# optax_lossscale/, whose frames end the frames of `fun`.
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-Frame = tuple[str, int, str]  # file, line, qualified function name
+Frame = _user_frames.Frame
 
 
 class Scopes:
@@ -46,7 +44,7 @@ class Scopes:
       return True
     if not self._names:
       return False
-    for _, _, function in _frames_of_fun(_frames(eqn, context)):
+    for _, _, function in _user_frames.frames_of_fun(_frames(eqn, context)):
       parts = function.split(".")
       if any(_contains(parts, name.split(".")) for name in self._names):
         return True
@@ -81,39 +79,14 @@ def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
     return frames + outer  # the body's own frames only
   if frames[-len(at_call) :] == at_call:  # traced at this call
     return frames[: -len(at_call)] + outer
-  return _inside_body(frames, call) + outer  # traced at another call
-
-
-def _inside_body(frames: list[Frame], call: Any) -> list[Frame]:
-  """The innermost of `frames` up to the outermost frame of the function
-  that `call`'s body was traced from (none when it is not among them)."""
-  body = _compat.call_body(call)
-  if body is None:
-    body = _compat.ruled_call_body(call)
-  traced = None if body is None else _compat.traced_function(body)
-  if traced is None:
-    return []
-  name, file = traced
-  inside = [
-    i
-    for i, (f, _, function) in enumerate(frames)
-    if f == file and function.rsplit(".", 1)[-1] == name
-  ]
-  return frames[: inside[-1] + 1] if inside else []
-
-
-def _frames_of_fun(frames: list[Frame]) -> list[Frame]:
-  """The frames inside `fun`: those before the first frame of this package
-  (`autocast`'s own trace of `fun`)."""
-  for i, (file, _, _) in enumerate(frames):
-    if os.path.abspath(file).startswith(_PACKAGE_DIR + os.sep):
-      return frames[:i]
-  return frames
+  return (
+    _user_frames.inside_body(frames, call) + outer
+  )  # traced at another call
 
 
 def user_line(eqn: Any) -> str | None:
   """`file:line` of the innermost frame of `fun` that made `eqn`, or None."""
-  frames = _frames_of_fun(_compat.user_frames(eqn))
+  frames = _user_frames.frames_of_fun(_compat.user_frames(eqn))
   if not frames:
     return None
   file, line, _ = frames[0]

@@ -8,10 +8,8 @@ import re
 from typing import Any
 
 from optax_lossscale._jaxpr import compat as _compat
+from optax_lossscale._jaxpr import frames as _user_frames
 
-_PACKAGE_DIR = os.path.dirname(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
 _LIBRARY_DIRS = (
   f"{os.sep}site-packages{os.sep}",
   f"{os.sep}dist-packages{os.sep}",
@@ -21,7 +19,7 @@ _JAX_SCOPES = frozenset({"rematted_computation"})
 # A call that passes its own arguments on whole: a decorator's wrapper.
 _PASS_THROUGH = re.compile(r"\(\s*\*\w+\s*,\s*\*\*\w+\s*\)")
 
-Frame = tuple[str, int, str]  # file, line, qualified function name
+Frame = _user_frames.Frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +48,8 @@ def where(eqn: Any, context: tuple[Any, ...], boundary: bool) -> Where:
     scopes += [name for name in names if name not in _JAX_SCOPES]
     transposed = transposed or t
   frames = _frames(eqn, context)
-  scaling = bool(frames) and _ours(frames[0][0])
-  frames = _frames_of_fun(frames)
+  scaling = bool(frames) and _user_frames.ours(frames[0][0])
+  frames = _user_frames.frames_of_fun(frames)
   source = code = line = None
   label = "/".join(scopes)
   if frames:
@@ -97,7 +95,8 @@ def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
     return frames  # the body's own frames only
   if frames[-len(at_call) :] == at_call:  # traced at this call
     return frames[: -len(at_call)] + outer
-  return _inside_body(frames, call) + outer  # traced at another call
+  # Traced at another call.
+  return _user_frames.inside_body(frames, call) + outer
 
 
 def _root(frames: list[Frame]) -> tuple[str, str]:
@@ -107,40 +106,8 @@ def _root(frames: list[Frame]) -> tuple[str, str]:
   return file, function
 
 
-def _inside_body(frames: list[Frame], call: Any) -> list[Frame]:
-  """The innermost of `frames` up to the outermost frame of the function
-  that `call`'s body was traced from; none when it is not among them (a
-  body written in jax, whose frames `user_frames` leaves out)."""
-  body = _compat.call_body(call)
-  if body is None:
-    body = _compat.ruled_call_body(call)
-  traced = None if body is None else _compat.traced_function(body)
-  if traced is None:
-    return []
-  name, file = traced
-  inside = [
-    i
-    for i, (f, _, function) in enumerate(frames)
-    if f == file and function.rsplit(".", 1)[-1] == name
-  ]
-  return frames[: inside[-1] + 1] if inside else []
-
-
-def _ours(file: str) -> bool:
-  return os.path.abspath(file).startswith(_PACKAGE_DIR + os.sep)
-
-
 def _library(file: str) -> bool:
   return any(d in file for d in _LIBRARY_DIRS)
-
-
-def _frames_of_fun(frames: list[Frame]) -> list[Frame]:
-  """The frames inside `fun`: those inside the first frame of this package
-  (the finder's own call of `fun`, or its loss scaling)."""
-  for i, frame in enumerate(frames):
-    if _ours(frame[0]):
-      return frames[:i]
-  return frames
 
 
 def _source_frame(frames: list[Frame]) -> Frame:
