@@ -70,6 +70,17 @@ def _params_key(params: dict[str, Any]) -> Any:
   return tuple(sorted(params.items()))
 
 
+def _shape_of(aval: Any) -> jax.ShapeDtypeStruct:
+  """`aval` as a shape to trace with, sharded as it is where it is sharded
+  over an `Explicit` mesh axis: jax 0.7.1 types a transposed product of
+  such values only from their shardings."""
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is not None and any(axis is not None for axis in spec):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
 def _trace(
   eqn: Any, avals: tuple[Any, ...], differentiated: tuple[int, ...]
 ) -> Rule:
@@ -87,7 +98,7 @@ def _trace(
     tree.append(treedef)
     return outs, leaves
 
-  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  specs = [_shape_of(a) for a in avals]
   forward_jaxpr, (out_shapes, residual_shapes) = jax.make_jaxpr(
     forward, return_shape=True
   )(*specs)
