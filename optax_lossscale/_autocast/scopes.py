@@ -79,9 +79,8 @@ def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
     return frames + outer  # the body's own frames only
   if frames[-len(at_call) :] == at_call:  # traced at this call
     return frames[: -len(at_call)] + outer
-  return (
-    _user_frames.inside_body(frames, call) + outer
-  )  # traced at another call
+  # Traced at another call.
+  return _user_frames.inside_body(frames, call) + outer
 
 
 def user_line(eqn: Any) -> str | None:
