@@ -235,3 +235,54 @@ def test_the_skip_reports_pointer_leads_to_the_autocast_call():
   report = ols.find_overflow(hand_cast, params, x, scale=opt_state)
   assert report.first.cause == "range"
   assert advised_call(report) == "ols.autocast(loss_fn)"
+
+
+class _Big(nnx.Module):  # a float32 weight beyond float16's range
+  def __init__(self):
+    self.big = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    self.big.kernel[...] = jnp.full((4, 8), 2.0**17)
+
+  def __call__(self, x):
+    return self.big(x)
+
+
+def _mean_square(model, x):
+  return jnp.mean(model(x) ** 2) * 2.0**-40
+
+
+def test_a_parameter_beyond_float16s_range_is_not_called_the_batch():
+  # Found trying the advice on Flax's NNX Gemma: a weight grown beyond
+  # 65504, cast to float16 for its product, was "data", with "check the
+  # batch". It is the parameter; under the policy, keeping its use in
+  # float32 fixes it.
+  model, x = _Big(), jnp.full((2, 4), 2.0**-8)
+  report = ols.find_overflow(ols.autocast(_mean_square), model, x)
+  first = report.first
+  assert (first.cause, first.from_parameter) == ("data", True)
+  assert first.from_input == "model.big.kernel.value"
+  text = flat(report)
+  assert text.startswith(
+    "Data beyond float16's range: the parameter `model.big.kernel.value`"
+  )
+  assert "Check the batch" not in text
+  assert (
+    "No loss scale fixes it: the parameter is beyond float16's range." in text
+  )
+  assert advised_call(report) == (
+    'ols.autocast(loss_fn, keep_float32=("Linear.__call__",))'
+  )
+  assert_the_advice_fixes_it(report, _mean_square, model, x)
+
+
+def test_a_batch_beyond_float16s_range_is_the_batch():
+  def loss(w, x):
+    return jnp.sum((w.astype(F16) * x.astype(F16)).astype(F32))
+
+  report = ols.find_overflow(loss, jnp.ones(4), jnp.full(4, 2.0**17))
+  first = report.first
+  assert (first.cause, first.from_parameter, first.from_input) == (
+    "data",
+    False,
+    "x",
+  )
+  assert "Check the batch" in flat(report)

@@ -75,6 +75,9 @@ class Overflow:
     from_input: for ``"data"``, the input whose values it is; for
       ``"index"``, the input its indices come from; None otherwise.
     host_call: the host callback or FFI target that made it, or None.
+    from_parameter: True where ``from_input`` is a parameter (part of
+      ``args[0]``, the differentiated argument) rather than an input held
+      fixed (the batch).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -112,6 +115,7 @@ class Overflow:
   custom_rule: str | None = None
   from_input: str | None = None
   host_call: str | None = None
+  from_parameter: bool = False
 
   def __str__(self) -> str:
     return "\n".join(_text.overflow_lines(self))

@@ -82,8 +82,9 @@ def _head(report: "OverflowReport", first: "Overflow") -> list[str]:
       " positions it masks:"
     )
   if first.cause == "data":
+    what = "parameter" if first.from_parameter else "input"
     return _format.wrap(
-      f"Data beyond float16's range: the input `{first.from_input}` holds"
+      f"Data beyond float16's range: the {what} `{first.from_input}` holds"
       f" values beyond {_format.number(_limit(dtype))}, which the cast to"
       f" {dtype} makes inf (loss scale {scale}). It is made by:"
     )
@@ -178,6 +179,8 @@ def advice(report: "OverflowReport") -> list[str]:
     return []
   if first.from_mask:
     return ["Mask so that every row keeps a finite value it can pick."]
+  if first.cause == "data" and first.from_parameter:
+    return [_parameter_advice(report, first)]
   if first.cause == "data":
     hint = (
       f" If `{first.from_input}` is a mask, pass"
@@ -233,6 +236,23 @@ def _autocast_fix(report: "OverflowReport", first: "Overflow") -> str | None:
   return (
     f'`ols.autocast(loss_fn, keep_float32=("{name}",))` computes {what}'
     " in float32"
+  )
+
+
+def _parameter_advice(report: "OverflowReport", first: "Overflow") -> str:
+  """For a parameter beyond float16's range where the program casts it to
+  float16: no loss scale fixes it; where it is cast under `autocast`, the
+  name that keeps its use in float32."""
+  fix = ""
+  name = _keepable_name(first)
+  if report.autocast and name is not None:
+    what = f"scope `{name}`" if name == first.scope else f"`{name}`"
+    fix = (
+      f' `ols.autocast(loss_fn, keep_float32=("{name}",))` computes {what}'
+      " in float32, where the parameter stays float32."
+    )
+  return (
+    f"No loss scale fixes it: the parameter is beyond float16's range.{fix}"
   )
 
 

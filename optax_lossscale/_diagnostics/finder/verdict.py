@@ -91,6 +91,7 @@ def _overflow(
   primitive = w.primitive if w else labels.get(j, node.label)
   if derivative_of is not None:
     primitive = f"{derivative_of}'s derivative"
+  source = _from_input(facts, node, labels)
   return Overflow(
     pass_name=pass_name,
     primitive=primitive,
@@ -111,8 +112,9 @@ def _overflow(
     depends_on_scale=node.from_cotangent,
     recomputed=node.recomputed,
     custom_rule=node.custom_rule,
-    from_input=_from_input(facts, node, labels),
+    from_input=source[0] if source else None,
     host_call=node.host_call,
+    from_parameter=bool(source) and source[1],
   )
 
 
@@ -131,9 +133,12 @@ def _pass(node: Node) -> tuple[str, str | None]:
   return "forward", None
 
 
-def _from_input(facts: Facts, node: Node, labels: dict[int, str]) -> Any:
+def _from_input(
+  facts: Facts, node: Node, labels: dict[int, str]
+) -> tuple[str, bool] | None:
   """The input whose values a data cause carries (or whose indices an
-  index cause uses), by name."""
+  index cause uses), by name, and whether it is a parameter (one of the
+  differentiated arguments) rather than held fixed."""
   cause = facts.cause[node.index]
   inputs: list[int]
   if cause == "index":
@@ -142,7 +147,11 @@ def _from_input(facts: Facts, node: Node, labels: dict[int, str]) -> Any:
     inputs = [node.index] if node.kind != _graph.OPERATION else [*node.inputs]
   else:
     return None
-  found = sorted(labels[k] for k in _origins_any(facts, inputs) if k in labels)
+  found = sorted(
+    (labels[k], facts.nodes[k].kind == _graph.PARAMETER)
+    for k in _origins_any(facts, inputs)
+    if k in labels
+  )
   return found[0] if found else None
 
 
