@@ -229,6 +229,13 @@ def _autocast_fix(report: "OverflowReport", first: "Overflow") -> str | None:
       "`ols.autocast(loss_fn)`, on the model written in float32, computes"
       f" `{operation}` and its derivative in float32"
     )
+  return _keep_float32(first)
+
+
+def _keep_float32(first: "Overflow") -> str | None:
+  """`ols.autocast(loss_fn, keep_float32=(name,))` for the name of
+  `first` that `keep_float32` accepts, and what it computes in float32;
+  None where `first` has no such name."""
   name = _keepable_name(first)
   if name is None:
     return None
@@ -243,14 +250,8 @@ def _parameter_advice(report: "OverflowReport", first: "Overflow") -> str:
   """For a parameter beyond float16's range where the program casts it to
   float16: no loss scale fixes it; where it is cast under `autocast`, the
   name that keeps its use in float32."""
-  fix = ""
-  name = _keepable_name(first)
-  if report.autocast and name is not None:
-    what = f"scope `{name}`" if name == first.scope else f"`{name}`"
-    fix = (
-      f' `ols.autocast(loss_fn, keep_float32=("{name}",))` computes {what}'
-      " in float32, where the parameter stays float32."
-    )
+  keep = _keep_float32(first) if report.autocast else None
+  fix = f" {keep}, where the parameter stays float32." if keep else ""
   return (
     f"No loss scale fixes it: the parameter is beyond float16's range.{fix}"
   )

@@ -114,7 +114,7 @@ def _overflow(
     custom_rule=node.custom_rule,
     from_input=source[0] if source else None,
     host_call=node.host_call,
-    from_parameter=bool(source) and source[1],
+    from_parameter=source is not None and source[1],
   )
 
 
