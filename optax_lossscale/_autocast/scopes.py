@@ -44,7 +44,9 @@ class Scopes:
       return True
     if not self._names:
       return False
-    for _, _, function in _user_frames.frames_of_fun(_frames(eqn, context)):
+    for _, _, function in _user_frames.frames_of_fun(
+      _user_frames.in_context(eqn, context, callers_of_own_body=True)
+    ):
       parts = function.split(".")
       if any(_contains(parts, name.split(".")) for name in self._names):
         return True
@@ -58,29 +60,6 @@ def _contains(sequence: Sequence[str], part: Sequence[str]) -> bool:
     tuple(sequence[i : i + n]) == tuple(part)
     for i in range(len(sequence) - n + 1)
   )
-
-
-def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
-  """`eqn`'s frames, innermost first, inside the calls `context`.
-
-  As the finder does (`source._frames`): a call's body traced once and
-  reused at another call (jax 0.7.1 does so) has frames that end in those
-  of the call it was first traced at; they are replaced by this call's.
-  jax 0.10.2 and later keep only the frames inside the body."""
-  frames = _compat.user_frames(eqn)
-  if not context:
-    return frames
-  call = context[-1]
-  outer = _frames(call, context[:-1])
-  if not frames:
-    return outer
-  at_call = _compat.user_frames(call)
-  if not at_call or frames[-1][::2] != at_call[-1][::2]:
-    return frames + outer  # the body's own frames only
-  if frames[-len(at_call) :] == at_call:  # traced at this call
-    return frames[: -len(at_call)] + outer
-  # Traced at another call.
-  return _user_frames.inside_body(frames, call) + outer
 
 
 def user_line(eqn: Any) -> str | None:

@@ -47,7 +47,7 @@ def where(eqn: Any, context: tuple[Any, ...], boundary: bool) -> Where:
     names, t = _compat.name_scopes(e)
     scopes += [name for name in names if name not in _JAX_SCOPES]
     transposed = transposed or t
-  frames = _frames(eqn, context)
+  frames = _user_frames.in_context(eqn, context, callers_of_own_body=False)
   scaling = bool(frames) and _user_frames.ours(frames[0][0])
   frames = _user_frames.frames_of_fun(frames)
   source = code = line = None
@@ -72,38 +72,6 @@ def where(eqn: Any, context: tuple[Any, ...], boundary: bool) -> Where:
     scaling=scaling,
     line=line,
   )
-
-
-def _frames(eqn: Any, context: tuple[Any, ...]) -> list[Frame]:
-  """`eqn`'s frames, innermost first, inside the calls `context`; where it
-  has none (the body of `jnp.where`, written in jax), its call's.
-
-  A call's body may be traced once and reused at other calls of the same
-  function (jax 0.7.1 does so with `jnp.where`'s): its frames then end in
-  the frames of the call it was first traced at. Those are replaced by this
-  call's, so that a line is named where this call is. jax 0.10.2 and later
-  keep only the frames inside the body, which are left as they are."""
-  frames = _compat.user_frames(eqn)
-  if not context:
-    return frames
-  call = context[-1]
-  outer = _frames(call, context[:-1])
-  if not frames:
-    return outer
-  at_call = _compat.user_frames(call)
-  if not at_call or _root(frames) != _root(at_call):
-    return frames  # the body's own frames only
-  if frames[-len(at_call) :] == at_call:  # traced at this call
-    return frames[: -len(at_call)] + outer
-  # Traced at another call.
-  return _user_frames.inside_body(frames, call) + outer
-
-
-def _root(frames: list[Frame]) -> tuple[str, str]:
-  """The outermost frame's file and function (not its line, which differs
-  from one call of the same program to the next)."""
-  file, _, function = frames[-1]
-  return file, function
 
 
 def _library(file: str) -> bool:
