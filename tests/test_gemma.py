@@ -137,6 +137,7 @@ def test_attention_logits_beyond_65504_finder():
 # A gelu-cube overflow with a finite loss.
 
 
+@pytest.mark.slow
 def test_gelu_cube_overflow_report():
   _, opt_state, losses = run("gelu")
   assert np.all(np.isfinite(losses))
