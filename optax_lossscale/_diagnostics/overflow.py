@@ -279,13 +279,14 @@ class _Run:
 
 
 def _gather(
-  statistics: list[tuple[int, tuple[Any, ...], np.ndarray]], rows: int
+  statistics: list[tuple[int, list[Any], np.ndarray]], rows: int
 ) -> tuple[np.ndarray, np.ndarray]:
   """Every chunk's statistics, fetched at once, by global row."""
   fetched = jax.device_get([stats for _, stats, _ in statistics])
   counts = np.zeros((rows, _statistics.COUNTS), np.int64)
   magnitudes = np.zeros((rows, 2), np.float64)
-  for (base, _, order), (c, m) in zip(statistics, fetched, strict=True):
+  for (base, _, order), groups in zip(statistics, fetched, strict=True):
+    c, m = _statistics.columns(groups)
     index = base + np.asarray(order, np.int64)
     counts[index], magnitudes[index] = c, m
   return counts, magnitudes

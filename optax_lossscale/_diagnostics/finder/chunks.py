@@ -59,7 +59,7 @@ class Runner:
     self.nodes = nodes  # the program's nodes, the sources' first
     self.arrays: dict[int, tuple[Any, Any]] = {}  # value: (value, shadow)
     self.node_of: dict[int, int] = {}  # value: node
-    self.statistics: list[tuple[int, tuple[Any, ...], np.ndarray]] = []
+    self.statistics: list[tuple[int, list[Any], np.ndarray]] = []
     self.rows = 0
     self._compiled: dict[Any, _Compiled] = {}
     self._residuals: list[tuple[list[Any], list[Any], list[int]]] = []
@@ -149,7 +149,7 @@ class Runner:
         residuals += res
         made.setdefault("residuals", []).append(len(res))
       outs = [env[v] for v in chunk.outputs]
-      counts, magnitudes, order = recorder.groups.results()
+      reduced, order = recorder.groups.results()
       made["template"] = Template(
         recorder.nodes, [o.node for o in outs] + [r.node for r in residuals]
       )
@@ -159,8 +159,7 @@ class Runner:
         [o.shadow for o in outs],
         [r.value for r in residuals],
         [r.shadow for r in residuals],
-        counts,
-        magnitudes,
+        reduced,
       )
 
     values = [self.arrays[v][0] for v in chunk.inputs]
@@ -252,15 +251,14 @@ class Runner:
           self._step_backward(tracer, env, step, position, res)
       returned = [k for k, v in enumerate(chunk.inputs) if v in env]
       outs = [env[chunk.inputs[k]] for k in returned]
-      cnts, magnitudes, order = recorder.groups.results()
+      reduced, order = recorder.groups.results()
       made["template"] = Template(recorder.nodes, [o.node for o in outs])
       made["order"] = order
       made["returned"] = returned
       return (
         [o.value for o in outs],
         [o.shadow for o in outs],
-        cnts,
-        magnitudes,
+        reduced,
       )
 
     found = self._compile(run, made, values, shadows)
@@ -339,7 +337,8 @@ class Runner:
         node.where = self._where_of(chunk, node)
       self.nodes.append(node)
       mapping[template_node.index] = node.index
-    self.statistics.append((base, tuple(stats), compiled.order))
+    (reduced,) = stats
+    self.statistics.append((base, reduced, compiled.order))
     self.rows += rows
     return mapping
 

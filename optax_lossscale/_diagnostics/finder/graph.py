@@ -88,5 +88,8 @@ class Recorder:
     node.dtype = str(value.dtype)
     node.shape = tuple(value.shape)
     node.flush_checked = reference is not None
-    measured = _statistics.measure(value, shadow, inputs, reference)
-    node.row = self.groups.add(measured)
+    node.row = self.groups.add(
+      _statistics.Value(
+        value, shadow, tuple(inputs) if inputs else None, reference
+      )
+    )

@@ -18,7 +18,7 @@ def measure(
   sources: list[tuple[int, str, str, Any]],
 ) -> tuple[list[_graph.Node], tuple[Any, ...], list[Any]]:
   """`sources` (value, kind, label, array) as nodes, measured: `(nodes,
-  (base row 0, (counts, magnitudes), order), their float32 shadows)`."""
+  (base row 0, [their reductions], order), their float32 shadows)`."""
   nodes: list[_graph.Node] = []
   counts: list[list[int]] = []
   magnitudes: list[list[float]] = []
@@ -35,11 +35,11 @@ def measure(
     nodes.append(node)
     shadows.append(_widened(x))
   rows = len(counts)
-  statistics = (
+  statistics = _stats.as_reduced(
     np.asarray(counts, np.int64).reshape(rows, _stats.COUNTS),
     np.asarray(magnitudes, np.float64).reshape(rows, 2),
   )
-  return nodes, (0, statistics, np.arange(rows)), shadows
+  return nodes, (0, [statistics], np.arange(rows)), shadows
 
 
 def _statistics_of(a: np.ndarray) -> tuple[list[int], list[float]]:

@@ -1,25 +1,30 @@
-"""What each value is reduced to, on the device: counts of NaN and inf, of
-values changed far from the float32 shadow where an input was not finite,
-and of values flushed to zero; whether some value is not finite where its
-shadow is finite, or where it is not, and whether the shadow holds a NaN;
-and two magnitudes (the largest finite, the smallest nonzero).
+"""What each value is reduced to, on the device: counts of NaN, of inf and
+of values flushed to zero; whether some value is not finite where its
+shadow is finite, or where it is not, whether the shadow holds a NaN, and
+whether a value is far from its float32 shadow where an input was not
+finite; and two magnitudes (the largest finite, the smallest nonzero).
 
 Values are reduced in groups: up to `GROUP` values of one size (small ones
 padded to a power of two) are stacked, in float32, beside their shadows,
 every comparison is made once on the stack, and the stack is reduced in
-one variadic reduction. The compiler's work then grows with the number of
-groups more than with the number of values: comparisons written per value
-cost the compiler several times the program's own work.
+one variadic reduction, the flags as bits of one integer. The compiler's
+work then grows with the number of groups and of vectors reduced more than
+with the number of values: comparisons written per value cost the compiler
+several times the program's own work. The reductions come back as they
+are, and are made into the columns below on the host (`columns`): an
+operation on them in the program would be a kernel more per group.
 """
 
+import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax import lax
 
-# Columns of the counts (NaN and inf are counted; RANGE, BOTH and
-# SHADOW_NAN are 1 where some element is so).
+# Columns of the counts (NaN, inf and FLUSHED are counted; RANGE, BOTH,
+# SHADOW_NAN and ABSORBED are 1 where some element is so).
 NAN = 0  # NaN
 INF = 1  # infinite
 RANGE = 2  # not finite, though its float32 shadow is finite
@@ -44,6 +49,15 @@ _PADDED = 2**16  # values up to this size are padded to a power of two
 _SMALL = 2**11  # and at least to this one
 
 
+class Value(NamedTuple):
+  """A value to measure, as `measure` takes it."""
+
+  value: jax.Array
+  shadow: jax.Array
+  inputs: tuple[jax.Array, ...] | None
+  reference: jax.Array | None
+
+
 class Measured(NamedTuple):
   """A value and what it is compared with, raveled, in float32."""
 
@@ -56,7 +70,7 @@ class Measured(NamedTuple):
 def measure(
   value: jax.Array,
   shadow: jax.Array,
-  inputs: list[jax.Array] | None,
+  inputs: Sequence[jax.Array] | None,
   reference: jax.Array | None,
 ) -> Measured:
   """`value` beside its float32 `shadow`, to be reduced in a group.
@@ -118,56 +132,39 @@ def _finite(x: jax.Array) -> jax.Array:
 
 
 class Groups:
-  """Measured values waiting to be reduced, grouped; `add` returns a row
-  number, `results` the rows' statistics."""
+  """Values waiting to be reduced, grouped; `add` returns a row number,
+  `results` the groups' reductions."""
 
   def __init__(self) -> None:
     # Values of one padded size, stacked together.
-    self._pending: dict[int, list[tuple[int, Measured]]] = {}
+    self._pending: dict[int, list[tuple[int, Value]]] = {}
     self._rows = 0
-    self._done: list[tuple[list[int], list[jax.Array]]] = []
+    self._done: list[tuple[list[int], Reduced]] = []
 
-  def add(self, measured: Measured) -> int:
+  def add(self, value: Value) -> int:
     row = self._rows
     self._rows += 1
-    size = _bucket(int(measured.value.shape[0]))
+    size = _bucket(int(np.prod(np.shape(value.value), dtype=np.int64)))
     pending = self._pending.setdefault(size, [])
-    pending.append((row, measured))
+    pending.append((row, value))
     if len(pending) >= min(GROUP, max(1, _GROUP_BYTES // (4 * size))):
       self._reduce(size)
     return row
 
-  def results(self) -> tuple[jax.Array, jax.Array, np.ndarray]:
-    """`(counts, magnitudes, order)`: per row in reduction order, its
-    counts (int32, `COUNTS` columns) and magnitudes (float32, 2 columns);
-    `order[k]` is the k-th result's row."""
+  def results(self) -> tuple[list["Reduced"], np.ndarray]:
+    """`(groups, order)`: each group's reductions, and `order[k]`, the row
+    of the k-th value reduced, the groups' values one after the other."""
     for key in list(self._pending):
       self._reduce(key)
-    if not self._done:
-      return (
-        lax.full((0, COUNTS), 0, np.int32),
-        lax.full((0, 2), 0, np.float32),
-        np.zeros((0,), np.int64),
-      )
-    order = np.concatenate([np.asarray(rows) for rows, _ in self._done])
-    columns = [
-      lax.concatenate([parts[k] for _, parts in self._done], 0)
-      for k in range(COUNTS + 2)
-    ]
-    counts = lax.concatenate([_column(c) for c in columns[:COUNTS]], 1)
-    magnitudes = lax.concatenate([_column(c) for c in columns[COUNTS:]], 1)
-    return counts, magnitudes, order
+    order = [row for rows, _ in self._done for row in rows]
+    return [reduced for _, reduced in self._done], np.asarray(order, np.int64)
 
   def _reduce(self, size: int) -> None:
     pending = self._pending.pop(size, [])
     if pending:
       rows = [row for row, _ in pending]
-      measured = [m for _, m in pending]
-      self._done.append((rows, _reduce_stacked(measured, size)))
-
-
-def _column(x: jax.Array) -> jax.Array:
-  return lax.broadcast_in_dim(x, (x.shape[0], 1), (0,))
+      values = tuple(value for _, value in pending)
+      self._done.append((rows, Reduced(*_reduce_group(values, size))))
 
 
 def _bucket(size: int) -> int:
@@ -192,12 +189,20 @@ def _stack(
   return lax.reshape(flat, (len(rows), size))
 
 
-def _reduce_stacked(measured: list[Measured], size: int) -> list[jax.Array]:
+@functools.partial(jax.jit, static_argnums=1)
+def _reduce_group(values: tuple[Value, ...], size: int) -> tuple[Any, ...]:
+  """The values measured and reduced, as a nested call: traced once for
+  every group alike (the same shapes and dtypes, in any chunk), and lowered
+  once per chunk; the compiler inlines it."""
+  measured = [measure(v.value, v.shadow, v.inputs, v.reference) for v in values]
+  return tuple(_reduce_stacked(measured, size))
+
+
+def _reduce_stacked(measured: list[Measured], size: int) -> "Reduced":
   """The comparisons, made once on the stacked values, then reduced: one
-  vector per count and magnitude. Flags come from NaN-propagating maxima
-  (`max |a|` is NaN where some element is, inf where one is infinite), so
-  that each element costs a few operations (in `lax`, as this runs for
-  every group while the program is traced)."""
+  vector per count, one of flags (bits, or-ed) and one per magnitude (in
+  `lax`, as this runs for every kind of group while the program is
+  traced)."""
   a = _stack([m.value for m in measured], size, 0, np.float32)
   b = _stack([m.shadow for m in measured], size, 0, np.float32)
   shape = a.shape
@@ -206,62 +211,105 @@ def _reduce_stacked(measured: list[Measured], size: int) -> list[jax.Array]:
   finite_a, finite_b = lax.is_finite(a), lax.is_finite(b)
   zero = lax.full(shape, 0, float32)
   inf = lax.full(shape, np.inf, float32)
-  operands = [
-    lax.convert_element_type(lax.ne(a, a), int32),  # NaN
-    lax.convert_element_type(lax.eq(magnitude, inf), int32),  # inf
-    lax.select(finite_b, magnitude, zero),  # not finite: RANGE
-    lax.select(finite_b, zero, magnitude),  # not finite: BOTH
-    lax.abs(b),  # NaN: SHADOW_NAN
-    lax.select(finite_a, magnitude, zero),  # LARGEST
-    lax.select(lax.gt(magnitude, zero), magnitude, inf),  # SMALLEST
-  ]
-  inits = [int32(0), int32(0)] + [float32(0)] * 4 + [float32(np.inf)]
-  kinds = ["sum", "sum", "max", "max", "max", "max", "min"]
-  positional = any(m.inputs_bad is not None for m in measured)
-  checked = any(m.reference is not None for m in measured)
-  if positional:
+
+  def bits(where: jax.Array, yes: int, no: int = 0) -> jax.Array:
+    return lax.select(
+      where, lax.full(shape, yes, int32), lax.full(shape, no, int32)
+    )
+
+  flags = lax.select(
+    finite_a,
+    lax.full(shape, 0, int32),
+    bits(finite_b, RANGE_BIT, BOTH_BIT),
+  )
+  flags = lax.bitwise_or(flags, bits(lax.ne(b, b), SHADOW_NAN_BIT))
+  if any(m.inputs_bad is not None for m in measured):
     bad = _stack([m.inputs_bad for m in measured], size, False, np.bool_)
     scale = lax.max(lax.abs(b), lax.full(shape, _FLOOR, float32))
     far = lax.gt(lax.abs(lax.sub(a, b)), lax.mul(scale, float32(_FAR)))
     absorbed = lax.bitwise_and(
       lax.bitwise_and(finite_a, finite_b), lax.bitwise_and(bad, far)
     )
-    operands.append(lax.convert_element_type(absorbed, int32))
-    inits.append(int32(0))
-    kinds.append("sum")
+    flags = lax.bitwise_or(flags, bits(absorbed, ABSORBED_BIT))
+  operands = [
+    lax.convert_element_type(lax.ne(a, a), int32),  # NaN
+    lax.convert_element_type(lax.eq(magnitude, inf), int32),  # inf
+    flags,
+    lax.select(finite_a, magnitude, zero),  # LARGEST
+    lax.select(lax.gt(magnitude, zero), magnitude, inf),  # SMALLEST
+  ]
+  inits = [int32(0), int32(0), int32(0), float32(0), float32(np.inf)]
+  combine = [lax.add, lax.add, lax.bitwise_or, lax.max, lax.min]
+  checked = any(m.reference is not None for m in measured)
   if checked:
     ref = _stack([m.reference for m in measured], size, 0, float32)
     flushed = lax.bitwise_and(lax.eq(a, zero), lax.ne(ref, zero))
     operands.append(lax.convert_element_type(flushed, int32))
     inits.append(int32(0))
-    kinds.append("sum")
-  combine = {"sum": lax.add, "max": lax.max, "min": lax.min}
+    combine.append(lax.add)
 
   def reducer(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(combine[k](p, q) for k, p, q in zip(kinds, x, y, strict=True))
+    return tuple(f(p, q) for f, p, q in zip(combine, x, y, strict=True))
 
-  reduced = list(lax.reduce(tuple(operands), tuple(inits), reducer, (1,)))
-  nan, infs, in_range, in_both, shadow, largest, smallest = reduced[:7]
-  rest = iter(reduced[7:])
-  none = lax.full((len(measured),), 0, int32)
-  absorbed_count = next(rest) if positional else none
-  flushed_count = next(rest) if checked else none
+  nan, infs, flag, largest, smallest, *rest = lax.reduce(
+    tuple(operands), tuple(inits), reducer, (1,)
+  )
+  return Reduced(nan, infs, flag, largest, smallest, *rest or [None])
 
-  def not_finite(maximum: jax.Array) -> jax.Array:
-    """Where a maximum of magnitudes is not finite, some one is not."""
-    return lax.convert_element_type(
-      lax.bitwise_not(lax.is_finite(maximum)), int32
-    )
 
-  shadow_nan = lax.convert_element_type(lax.ne(shadow, shadow), int32)
-  return [
-    nan,
-    infs,
-    not_finite(in_range),
-    not_finite(in_both),
-    shadow_nan,
-    absorbed_count,
-    flushed_count,
-    largest,
-    smallest,
-  ]
+# The flags' bits, one for each column of that name: RANGE_BIT where a
+# value is not finite and its shadow is, BOTH_BIT where neither is.
+RANGE_BIT, BOTH_BIT, SHADOW_NAN_BIT, ABSORBED_BIT = 1, 2, 4, 8
+
+
+class Reduced(NamedTuple):
+  """A group's reductions: a vector each, an element per value."""
+
+  nan: Any  # how many NaN
+  inf: Any  # how many infinite
+  flags: Any  # the bits its elements set, or-ed
+  largest: Any
+  smallest: Any
+  flushed: Any  # how many FLUSHED; None where none is checked
+
+
+def columns(groups: list[Reduced]) -> tuple[np.ndarray, np.ndarray]:
+  """`(counts, magnitudes)`, on the host, of the groups' values one after
+  the other: the `COUNTS` columns, and the `LARGEST` and `SMALLEST`."""
+  counts = [np.zeros((0, COUNTS), np.int64)]
+  magnitudes = [np.zeros((0, 2), np.float64)]
+  for group in groups:
+    flags = np.asarray(group.flags, np.int64)
+    c = np.zeros((flags.shape[0], COUNTS), np.int64)
+    c[:, NAN], c[:, INF] = group.nan, group.inf
+    for column, bit in _BITS.items():
+      c[:, column] = (flags & bit) != 0
+    if group.flushed is not None:
+      c[:, FLUSHED] = group.flushed
+    counts.append(c)
+    magnitudes.append(np.stack([group.largest, group.smallest], 1))
+  return np.concatenate(counts), np.concatenate(magnitudes).astype(np.float64)
+
+
+_BITS = {
+  RANGE: RANGE_BIT,
+  BOTH: BOTH_BIT,
+  SHADOW_NAN: SHADOW_NAN_BIT,
+  ABSORBED: ABSORBED_BIT,
+}
+
+
+def as_reduced(counts: np.ndarray, magnitudes: np.ndarray) -> Reduced:
+  """Counts and magnitudes made on the host, as one group's reductions
+  (`columns` gives them back)."""
+  flags = np.zeros(counts.shape[0], np.int64)
+  for column, bit in _BITS.items():
+    flags |= np.where(counts[:, column] > 0, bit, 0)
+  return Reduced(
+    nan=counts[:, NAN],
+    inf=counts[:, INF],
+    flags=flags,
+    largest=magnitudes[:, LARGEST],
+    smallest=magnitudes[:, SMALLEST],
+    flushed=counts[:, FLUSHED],
+  )
