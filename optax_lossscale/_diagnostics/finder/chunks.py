@@ -302,10 +302,9 @@ class Runner:
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
       lowered = jax.jit(run).lower(*args)
     runs = self._runs.get(made["key"], 1)
-    elements = runs * sum(
-      node.size for node in made["template"].nodes if node.row is not None
-    )
-    compiling = self._workers.submit(compile_for_one_run, lowered, elements)
+    sizes = [n.size for n in made["template"].nodes if n.row is not None]
+    reads = runs * sum(sizes) // max(1, len(sizes))
+    compiling = self._workers.submit(compile_for_one_run, lowered, reads)
     return _Compiled(
       compiling, lowered.out_info, made["template"], made["order"]
     )
