@@ -15,8 +15,13 @@ Models:
   layers, width 256, 4 heads of 64, an MLP of 896, a vocabulary of 4096
   (2.95M parameters at 2 layers), on 16 sequences of 64 tokens.
 
+The finder runs at `--scale` (1 by default). At `--scale 16777216` (2**24)
+the Gemma-style model's backward pass overflows, and the finder names it:
+the cost of a call that finds something.
+
   python benchmarks/finder_cost.py --model mlp --depth 100
   python benchmarks/finder_cost.py --model gemma --layers 2
+  python benchmarks/finder_cost.py --model gemma --layers 2 --scale 16777216
   python benchmarks/finder_cost.py --tiny      # seconds, the smoke test
 """
 
@@ -84,7 +89,7 @@ def _measure(variant, args):
     jax.block_until_ready(jax.jit(jax.value_and_grad(fun))(params, batch))
     found = None
   else:
-    found = bool(ols.find_overflow(fun, params, batch))
+    found = bool(ols.find_overflow(fun, params, batch, scale=args.scale))
   return {
     "variant": variant,
     "wall": time.perf_counter() - wall,
@@ -115,6 +120,7 @@ def _parser():
   p.add_argument("--batch", type=int, default=256)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--scale", type=float, default=1.0, help="the finder's")
   p.add_argument("--tiny", action="store_true", help="a 3-layer MLP, once")
   p.add_argument(
     "--variant", choices=["plain", "finder"], help=argparse.SUPPRESS
@@ -134,7 +140,7 @@ def main(argv=None):
     return None
   size = ["--model", args.model, "--depth", str(args.depth)]
   size += ["--width", str(args.width), "--batch", str(args.batch)]
-  size += ["--layers", str(args.layers)]
+  size += ["--layers", str(args.layers), "--scale", repr(args.scale)]
   runs = {"plain": [], "finder": []}
   for _ in range(args.rounds):
     for variant in ("plain", "finder"):
@@ -145,7 +151,11 @@ def main(argv=None):
     else f"Gemma-style, {args.layers} layers"
   )
   count = runs["plain"][0]["parameters"]
-  print(f"{what}: {count:,} parameters; {args.rounds} rounds")
+  found = runs["finder"][0]["found"]
+  print(
+    f"{what}: {count:,} parameters; {args.rounds} rounds; the finder at"
+    f" scale {args.scale:g} found {'an overflow' if found else 'none'}"
+  )
   print(f"{'variant':8} {'wall s':>8} {'cpu s':>8}  (medians)")
   medians = {}
   for variant, results in runs.items():

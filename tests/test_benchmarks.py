@@ -316,3 +316,6 @@ def test_finder_cost_tiny(capsys):
   (plain,), (finder,) = runs["plain"], runs["finder"]
   assert plain["parameters"] == finder["parameters"] == 3 * 32 * 32
   assert finder["found"] is False  # the tiny MLP is healthy
+  runs = _load("finder_cost").main(["--tiny", "--scale", "1e30"])
+  assert "found an overflow" in capsys.readouterr().out
+  assert runs["finder"][0]["found"] is True  # its backward pass at 1e30
