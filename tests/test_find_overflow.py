@@ -553,11 +553,16 @@ def test_compile_options_a_jaxlib_lacks_are_left_out():
         )
       return "compiled"
 
+  one_module = {"xla_cpu_parallel_codegen_split_count": 1}
   assert _compile.compile_for_one_run(Lowered(), 1000) == "compiled"
   assert options == [
-    {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
-    {"xla_backend_optimization_level": 0},
+    {
+      "xla_cpu_use_fusion_emitters": False,
+      "xla_backend_optimization_level": 0,
+      **one_module,
+    },
+    {"xla_backend_optimization_level": 0, **one_module},
   ]
   options.clear()  # chunks that read much: faster code, a longer compile
   assert _compile.compile_for_one_run(Lowered(), 2**28) == "compiled"
-  assert options[-1] == {}  # the elemental emitters' option left out
+  assert options[-1] == one_module  # the emitters' option left out

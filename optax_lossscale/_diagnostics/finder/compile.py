@@ -17,11 +17,16 @@ from typing import Any
 
 import jax
 
+# XLA:CPU splits a program's LLVM module to compile the parts on threads
+# of its own; the finder already compiles several kinds at once on worker
+# threads, so a split only adds work (each part compiled on its own).
+_ONE_MODULE = {"xla_cpu_parallel_codegen_split_count": 1}
 _QUICK_CPU_COMPILE = {
   "xla_cpu_use_fusion_emitters": False,
   "xla_backend_optimization_level": 0,
+  **_ONE_MODULE,
 }
-_LARGE_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+_LARGE_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False, **_ONE_MODULE}
 LARGE = 2**21  # elements a chunk reads per value it measures, in all its
 # runs, above which its code must be fast
 
