@@ -1,12 +1,14 @@
 """autocast against the same policy written by hand, and against float32
 and the "everything in float16" conversion.
 
-Two models with float32 parameters, an MLP (gelu layers, softmax
-cross-entropy) and a small decoder-only transformer (RMSNorm, causal
-softmax attention masked with a large finite constant, gated gelu MLP,
-tied decoding). Each is written once, with two hooks: what a product's
-operands go through, and what a float32-list operation's operands go
-through. The variants of its gradient step `jit(value_and_grad(loss))`:
+Three models with float32 parameters: an MLP (gelu layers, softmax
+cross-entropy), a small decoder-only transformer (RMSNorm, causal softmax
+attention masked with a large finite constant, gated gelu MLP, tied
+decoding, no biases) and a GPT-2-style one (learned positions, LayerNorm
+with a bias, biases on every product, gelu MLP, tied decoding). Each is
+written once, with two hooks: what a product's operands go through, and
+what a float32-list operation's operands go through. The variants of its
+gradient step `jit(value_and_grad(loss))`:
 
 - float32: the model as written (both hooks do nothing);
 - autocast: `ols.autocast(loss)`;
@@ -19,7 +21,9 @@ through. The variants of its gradient step `jit(value_and_grad(loss))`:
 Reported per model and variant: the float16 and float32 products in the
 lowered program (StableHLO: XLA on CPU runs float16 products in float32,
 so the compiled program would say less), the compiled program's temporary
-bytes (`memory_analysis()`), trace-plus-compile time (the fastest of
+bytes (`memory_analysis()`), the bytes the backward pass keeps (jax's
+saved residuals, the arguments excluded: what bounds batch and sequence
+length), trace-plus-compile time (the fastest of
 several), and the run time (median over interleaved rounds, warm-up
 excluded). Times are ratios: autocast's to by_hand's (the policy's own
 cost), and every variant's to float32's.
@@ -175,6 +179,75 @@ def transformer_loss(
   return _cross_entropy(logits, batch["targets"], hooks)
 
 
+# The GPT-2-style model.
+
+
+def gpt2_init(key: Any, vocab: int, width: int, layers: int, seq: int) -> Any:
+  keys = iter(jax.random.split(key, 2 + 4 * layers))
+
+  def dense(fan_in: int, fan_out: int) -> Any:
+    w = jax.random.normal(next(keys), (fan_in, fan_out)) / math.sqrt(fan_in)
+    return {"w": w, "b": jnp.zeros(fan_out)}
+
+  def norm() -> Any:
+    return {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
+
+  params = {
+    "wte": 0.02 * jax.random.normal(next(keys), (vocab, width)),
+    "wpe": 0.01 * jax.random.normal(next(keys), (seq, width)),
+    "ln_f": norm(),
+  }
+  for i in range(layers):
+    params[f"h_{i}"] = {
+      "ln_1": norm(),
+      "qkv": dense(width, 3 * width),
+      "proj": dense(width, width),
+      "ln_2": norm(),
+      "fc": dense(width, 4 * width),
+      "out": dense(4 * width, width),
+    }
+  return params
+
+
+def _layer_norm(x: Any, p: Any, hooks: Hooks) -> Any:
+  wide = hooks.sensitive(x)
+  mean = jnp.mean(wide, -1, keepdims=True)
+  variance = jnp.mean(jnp.square(wide - mean), -1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * p["scale"] + p["bias"]
+
+
+def _dense(p: Any, x: Any, hooks: Hooks) -> Any:
+  return hooks.product(x) @ hooks.product(p["w"]) + p["b"]
+
+
+def _gpt2_attention(p: Any, x: Any, heads: int, hooks: Hooks) -> Any:
+  batch, seq, width = x.shape
+  qkv = _dense(p["qkv"], x, hooks).reshape(batch, seq, 3, heads, -1)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", hooks.product(q), hooks.product(k))
+  logits = logits * (1.0 / math.sqrt(width // heads))
+  causal = jnp.tril(jnp.ones((seq, seq), bool))
+  masked = jnp.where(causal, hooks.sensitive(logits), K_MASK)
+  probs = jax.nn.softmax(masked, axis=-1)
+  mixed = jnp.einsum("bhqk,bkhd->bqhd", hooks.product(probs), hooks.product(v))
+  return _dense(p["proj"], mixed.reshape(batch, seq, width), hooks)
+
+
+def gpt2_loss(params: Any, batch: Any, hooks: Hooks, heads: int = 4) -> Any:
+  tokens = batch["tokens"]
+  x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
+  layer = 0
+  while f"h_{layer}" in params:
+    p = params[f"h_{layer}"]
+    x = x + _gpt2_attention(p, _layer_norm(x, p["ln_1"], hooks), heads, hooks)
+    h = _gelu(_dense(p["fc"], _layer_norm(x, p["ln_2"], hooks), hooks), hooks)
+    x = x + _dense(p["out"], h, hooks)
+    layer += 1
+  x = _layer_norm(x, params["ln_f"], hooks)
+  logits = hooks.product(x) @ hooks.product(params["wte"].T)
+  return _cross_entropy(logits, batch["targets"], hooks)
+
+
 # The variants and their measurement.
 
 
@@ -244,12 +317,25 @@ def compile_best(fun: Callable[..., Any], args: Any, repeats: int) -> Any:
   return (*found, best)
 
 
+def saved_bytes(fun: Callable[..., Any], args: Any) -> int:
+  """The bytes of the residuals jax saves for `fun`'s backward pass, less
+  those that are `fun`'s arguments (which live anyway)."""
+  from jax._src.ad_checkpoint import saved_residuals
+
+  return sum(
+    aval.size * aval.dtype.itemsize
+    for aval, origin in saved_residuals(fun, *args)
+    if not origin.startswith("from the argument")
+  )
+
+
 def measure(
   loss: Callable[..., Any], args: Any, rounds: int, repeats: int
 ) -> dict[str, dict[str, Any]]:
   results, compiled = {}, {}
   for name in VARIANTS:
-    lowered, c, seconds = compile_best(variant_loss(name, loss), args, repeats)
+    fun = variant_loss(name, loss)
+    lowered, c, seconds = compile_best(fun, args, repeats)
     memory = c.memory_analysis()
     compiled[name] = c
     jax.block_until_ready(c(*args))  # warm-up
@@ -257,6 +343,7 @@ def measure(
       "products": products(lowered),
       "operations": operations(c),
       "temp_bytes": getattr(memory, "temp_size_in_bytes", math.nan),
+      "saved_bytes": saved_bytes(fun, args),
       "compile_s": seconds,
       "times": [],
     }
@@ -278,12 +365,15 @@ def models(tiny: bool) -> dict[str, tuple[Callable[..., Any], Any]]:
       32,
       (32, 32, 1, 8, 4),
     )
+    gpt2_sizes = (32, 32, 1, 8, 2)
   else:
     mlp_sizes, batch, (vocab, width, layers, seq, rows) = (
       (1024, 4),
       1024,
       (512, 256, 4, 128, 16),
     )
+    # vocab, width, layers, tokens per row, rows: 8 x 128 tokens.
+    gpt2_sizes = (512, 256, 4, 128, 8)
   width_mlp, depth = mlp_sizes
   mlp_batch = {
     "x": jax.random.normal(key, (batch, width_mlp)),
@@ -291,6 +381,9 @@ def models(tiny: bool) -> dict[str, tuple[Callable[..., Any], Any]]:
   }
   tokens = jax.random.randint(key, (rows, seq + 1), 0, vocab)
   lm_batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+  g_vocab, g_width, g_layers, g_seq, g_rows = gpt2_sizes
+  tokens = jax.random.randint(key, (g_rows, g_seq + 1), 0, g_vocab)
+  gpt2_batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
   return {
     "mlp": (
       mlp_loss,
@@ -299,6 +392,10 @@ def models(tiny: bool) -> dict[str, tuple[Callable[..., Any], Any]]:
     "transformer": (
       transformer_loss,
       (transformer_init(key, vocab, width, layers), lm_batch),
+    ),
+    "gpt2": (
+      gpt2_loss,
+      (gpt2_init(key, g_vocab, g_width, g_layers, g_seq), gpt2_batch),
     ),
   }
 
@@ -317,6 +414,8 @@ def report(name: str, results: dict[str, dict[str, Any]], out=print) -> None:
       f"{name:<11} {variant:<8}"
       f" {p.get('float16', 0):>4} {p.get('float32', 0):>4}"
       f" {r['temp_bytes'] / 2**20:9.2f}"
+      f" {r['saved_bytes'] / 2**20:9.2f}"
+      f" {r['saved_bytes'] / base['saved_bytes']:6.2f}"
       f" {r['compile_s'] / own['compile_s']:8.2f}"
       f" {r['run_s'] / own['run_s']:7.2f}"
       f" {r['compile_s'] / base['compile_s']:8.2f}"
@@ -342,11 +441,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   repeats = 1 if args.tiny else 3
   print(
     "products: float16, float32 in the lowered program; temp: compiled"
-    " temporaries (MiB); compile (trace + compile) and run: ratios to"
+    " temporaries (MiB); saved: the residuals the backward pass keeps,"
+    " arguments excluded (MiB, and the ratio to float32's); compile"
+    " (trace + compile) and run: ratios to"
     " by_hand, then to float32; ms: median run time"
   )
   print(
     f"{'model':<11} {'variant':<8} {'f16':>4} {'f32':>4} {'temp MiB':>9}"
+    f" {'saved MiB':>9} {'/f32':>6}"
     f" {'compile':>8} {'run':>7} {'compile':>8} {'run':>7} {'ms':>9}"
   )
   found = {}
