@@ -31,6 +31,7 @@ cost), and every variant's to float32's.
   python benchmarks/autocast.py            # the default sizes (minutes)
   python benchmarks/autocast.py --tiny     # seconds, for the smoke test
   python benchmarks/autocast.py --study    # the study's task, trained
+  python benchmarks/autocast.py --saved    # saved residuals only (traced)
 """
 
 import argparse
@@ -430,6 +431,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--tiny", action="store_true", help="seconds")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--study", action="store_true", help="train the study")
+  parser.add_argument(
+    "--saved", action="store_true", help="saved residuals only (no compile)"
+  )
   args = parser.parse_args(argv)
   print(
     f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}),"
@@ -437,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   )
   if args.study:
     return study()
+  if args.saved:
+    return saved_only(args.tiny)
   rounds = args.rounds or (3 if args.tiny else 20)
   repeats = 1 if args.tiny else 3
   print(
@@ -455,6 +461,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   for name, (loss, inputs) in models(args.tiny).items():
     found[name] = measure(loss, inputs, rounds, repeats)
     report(name, found[name])
+  return found
+
+
+def saved_only(tiny: bool) -> dict[str, dict[str, int]]:
+  """The saved-residual bytes of each model and variant: traced, not
+  compiled, and the same on every machine."""
+  print("saved: the residuals the backward pass keeps, arguments excluded")
+  found: dict[str, dict[str, int]] = {}
+  for name, (loss, inputs) in models(tiny).items():
+    found[name] = {
+      variant: saved_bytes(variant_loss(variant, loss), inputs)
+      for variant in VARIANTS
+    }
+    for variant, n in found[name].items():
+      print(
+        f"{name:<11} {variant:<8} {n / 2**20:9.2f} MiB"
+        f" {n / found[name]['float32']:6.3f}x float32's",
+        flush=True,
+      )
   return found
 
 

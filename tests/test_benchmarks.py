@@ -310,6 +310,16 @@ def test_autocast_tiny(capsys):
   assert set(results) == {"mlp", "transformer", "gpt2"}
 
 
+def test_autocast_saved_tiny(capsys):
+  # Traced only: the bytes each variant's backward pass keeps.
+  found = _load("autocast").main(["--tiny", "--saved"])
+  assert "saved:" in capsys.readouterr().out
+  assert set(found) == {"mlp", "transformer", "gpt2"}
+  for model, saved in found.items():
+    assert 0 < saved["float16"] < saved["float32"], (model, saved)
+    assert saved["cast"] < saved["float32"], (model, saved)
+
+
 @pytest.mark.slow
 def test_finder_cost_tiny(capsys):
   # One find_overflow call against a plain value_and_grad's first call,
